@@ -1,0 +1,68 @@
+"""Shared fixtures: tiny random HF models (unit tests) and the real SmolLM2 target (integration, @pytest.mark.real)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # for `import tiny`
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tiny import ARCHS, tiny_model, tiny_tokenizer  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DRAFTHEAD_CACHE", Path.home() / ".cache" / "drafthead")).expanduser()
+
+
+@pytest.fixture(params=ARCHS)
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def tiny_target(arch):
+    return tiny_model(arch)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    path = cache_dir() / "models" / "SmolLM2-135M-Instruct"
+    if not (path / "config.json").exists():
+        pytest.fail(f"{path} missing: run `python scripts/fetch_assets.py` (make test does it)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def mt_bench_path() -> Path:
+    path = cache_dir() / "data" / "mt_bench.jsonl"
+    if not path.exists():
+        pytest.fail(f"{path} missing: run `python scripts/fetch_assets.py` (make test does it)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def sharegpt_path() -> Path:
+    path = cache_dir() / "data" / "sharegpt.jsonl"
+    if not path.exists():
+        pytest.fail(f"{path} missing: run `python scripts/fetch_assets.py` (make test does it)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
