@@ -1,0 +1,150 @@
+"""Prepare training data: conversations -> chat-templated token ids + assistant loss mask, train/validation split.
+
+    python -m train.prepare configs/smollm2-135m-eagle3.yaml [data.max_conversations=500 ...]
+
+Writes a `datasets` DatasetDict ("train", "validation"; columns id string, input_ids int32, loss_mask bool)
+atomically into data.prepared_dir. The split is by conversation id ROOT (the part before the last "_", since
+ShareGPT splits long chats into id_0, id_1, ...), decided by a hash of the root: deterministic, and the pieces of
+one chat never straddle train and validation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from train.conversations import BadRecord, read_conversations
+from train.loss_mask import TemplateError, tokenize_with_mask
+from train.recipe import load_recipe
+from train.target import load_tokenizer
+
+
+def id_root(conversation_id: str) -> str:
+    """'abc_3' -> 'abc' (ShareGPT's split long chats share the root); ids without '_' are their own root."""
+    return conversation_id.rsplit("_", 1)[0] if "_" in conversation_id else conversation_id
+
+
+def is_validation(conversation_id: str, fraction: float, seed: int = 0) -> bool:
+    """Deterministic split: hash of (seed, id root) mapped to [0, 1) and compared with `fraction`."""
+    digest = hashlib.sha256(f"{seed}:{id_root(conversation_id)}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def encode(tokenizer: Any, messages: list[dict], max_length: int) -> tuple[list[int], list[bool], str]:
+    """(input_ids, loss_mask, status): status is "ok" or why the conversation is dropped."""
+    if not any(m["role"] == "assistant" for m in messages):
+        return [], [], "no_assistant_turn"
+    try:
+        ids, mask = tokenize_with_mask(tokenizer, messages)
+    except TemplateError:
+        return [], [], "template_mismatch"
+    except Exception as e:  # a template that raises on this conversation (e.g. roles must alternate)
+        return [], [], f"template_error_{type(e).__name__}"
+    ids, mask = ids[:max_length], mask[:max_length]
+    if not any(mask):
+        return [], [], "no_assistant_token_after_truncation"
+    return ids, mask, "ok"
+
+
+def _encode_batch(batch: dict, tokenizer: Any, max_length: int) -> dict:
+    out = {"input_ids": [], "loss_mask": [], "status": []}
+    for messages in batch["messages"]:
+        ids, mask, status = encode(tokenizer, messages, max_length)
+        out["input_ids"].append(ids)
+        out["loss_mask"].append(mask)
+        out["status"].append(status)
+    return out
+
+
+def save_dataset_atomic(data: Any, folder: str | Path) -> None:
+    """save_to_disk into a temp folder beside `folder`, then swap it in (a reader never sees a partial folder)."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.tmp-"))
+    try:
+        data.save_to_disk(str(tmp))
+        old = None
+        if folder.exists():
+            old = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.old-"))
+            os.replace(folder, old / "data")
+        os.replace(tmp, folder)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prepare(recipe: dict) -> dict:
+    """Run the whole preparation described by `recipe`; returns the counts it printed."""
+    from datasets import Dataset, DatasetDict, Features, List, Value
+
+    data_cfg = recipe["data"]
+    tokenizer = load_tokenizer(recipe["target"])
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer of {recipe['target']} has no chat template")
+    stats: Counter = Counter()
+    try:
+        conversations = read_conversations(
+            data_cfg["conversations"], skip_bad=bool(data_cfg.get("skip_bad", False)),
+            limit=data_cfg.get("max_conversations"), stats=stats,
+        )
+    except BadRecord as e:
+        raise SystemExit(f"error: {e}\n(set data.skip_bad=true to skip and count malformed records)")
+    if not conversations:
+        raise SystemExit(f"error: no conversations read from {data_cfg['conversations']}")
+
+    num_proc = int(data_cfg.get("num_proc") or min(4, os.cpu_count() or 1))
+    num_proc = max(1, min(num_proc, len(conversations) // 64 or 1))  # tiny inputs: no worker pool
+    raw = Dataset.from_list(conversations)
+    encoded = raw.map(
+        _encode_batch, batched=True, batch_size=64, num_proc=num_proc if num_proc > 1 else None,
+        fn_kwargs={"tokenizer": tokenizer, "max_length": int(data_cfg["max_length"])},
+        remove_columns=["messages"], desc="tokenizing",
+    )
+    for status, count in Counter(encoded["status"]).items():
+        stats["kept" if status == "ok" else f"dropped_{status}"] += count
+    kept = encoded.filter(lambda s: [x == "ok" for x in s], input_columns="status", batched=True,
+                          desc="filtering").remove_columns("status")
+
+    fraction = float(data_cfg.get("validation_fraction", 0.0))
+    seed = int(data_cfg.get("seed", 0))
+    in_val = [is_validation(i, fraction, seed) for i in kept["id"]]
+    features = Features({"id": Value("string"), "input_ids": List(Value("int32")), "loss_mask": List(Value("bool"))})
+    splits = DatasetDict(
+        train=kept.select([j for j, v in enumerate(in_val) if not v]).cast(features),
+        validation=kept.select([j for j, v in enumerate(in_val) if v]).cast(features),
+    )
+    save_dataset_atomic(splits, data_cfg["prepared_dir"])
+
+    for name, split in splits.items():
+        tokens = sum(len(x) for x in split["input_ids"])
+        masked = sum(sum(x) for x in split["loss_mask"])
+        stats[f"{name}_conversations"] = len(split)
+        stats[f"{name}_tokens"] = tokens
+        stats[f"{name}_masked_tokens"] = masked
+    total = stats["train_tokens"] + stats["validation_tokens"]
+    result = dict(sorted(stats.items()))
+    result["masked_fraction"] = round((stats["train_masked_tokens"] + stats["validation_masked_tokens"]) / max(total, 1), 4)
+    print(f"prepared {data_cfg['prepared_dir']}:")
+    for key, value in result.items():
+        print(f"  {key}: {value}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        raise SystemExit(0 if argv else 2)
+    prepare(load_recipe(argv[0], argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Load a frozen target causal LM and its tokenizer from a local folder, on a given device and dtype."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """'bfloat16' / 'bf16' / torch.bfloat16 ... -> torch.dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if str(dtype).lower() not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
+    return DTYPES[str(dtype).lower()]
+
+
+def _check_folder(path: str | Path) -> Path:
+    path = Path(path).expanduser()
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"target {path} has no config.json: give a local Hugging Face model folder "
+            "(`python scripts/fetch_assets.py` fetches the default one)"
+        )
+    return path
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The target's tokenizer (with its own chat template); pad token set to eos when it has none."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(_check_folder(path)))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "bfloat16") -> Any:
+    """A frozen causal LM in eval mode on `device` in `dtype` (no gradients)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(_check_folder(path)), dtype=parse_dtype(dtype))
+    model.to(torch.device(device)).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def target_name(path: str | Path) -> str:
+    """A human-readable target name: the folder name."""
+    return Path(path).expanduser().resolve().name
