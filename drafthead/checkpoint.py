@@ -75,19 +75,28 @@ def load_head(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
 ):
-    """Load a native head folder. With `target`: check compatibility, then attach its frozen modules."""
+    """Load a native head folder or an exported serving folder (vLLM/SGLang layout, ours or third-party).
+
+    The format is detected from config.json: our "drafthead_config" key, else the EAGLE serving fields
+    (then `target` supplies the target's layer count). With `target`: check compatibility, then attach
+    its frozen modules (token embedding; for EAGLE-1 also the final norm and lm_head).
+    """
+    from .export import head_config_from_serving, native_tensor_names
     from .model import DraftHead
 
     path = Path(path)
     if not (path / CONFIG_NAME).exists():
         raise FileNotFoundError(f"no {CONFIG_NAME} in {path}: not a draft-head folder")
-    config = HeadConfig.load(path / CONFIG_NAME)
+    if not (path / WEIGHTS_NAME).exists():
+        raise FileNotFoundError(f"no {WEIGHTS_NAME} in {path}: not a draft-head folder")
+    values = json.loads((path / CONFIG_NAME).read_text())
+    config = head_config_from_serving(values, target.config if target is not None else None)
     if target is not None:
         check_compatible(config, target.config, kind)
     elif kind is not None and config.kind != kind:
         raise HeadMismatchError(f"head kind: checkpoint is {config.kind!r}, expected {kind!r}")
     head = DraftHead(config)
-    state = load_file(str(path / WEIGHTS_NAME))
+    state = native_tensor_names(load_file(str(path / WEIGHTS_NAME)))
     missing, unexpected = head.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith(("embed_tokens.", "target_norm.", "target_lm_head."))]
     if missing or unexpected:
