@@ -66,3 +66,16 @@ def smollm2(smollm2_path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+
+
+def save_tiny_target(folder: Path, arch: str = "llama", seed: int = 0) -> Path:
+    """A tiny random target + the tiny ChatML tokenizer saved as a local HF folder (loadable by a subprocess)."""
+    tiny_model(arch, seed=seed).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory) -> Path:
+    """Session-wide tiny Llama target folder (model + ChatML tokenizer)."""
+    return save_tiny_target(tmp_path_factory.mktemp("tiny_target"))
