@@ -78,3 +78,24 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
     fast.chat_template = CHATML_TEMPLATE
     return fast
+
+
+def tiny_head(target, kind: str = "eagle3", draft_vocab_size: int = 200, seed: int = 0, aux_layer_ids=None):
+    """A draft head for `target` with random (non-default) weights and, for EAGLE-3, a random draft vocabulary."""
+    from drafthead import DraftHead, HeadConfig
+    from drafthead.vocab import build_draft_vocab
+
+    config = HeadConfig.from_target_config(target.config, kind=kind, draft_vocab_size=draft_vocab_size,
+                                           aux_layer_ids=aux_layer_ids)
+    torch.manual_seed(seed)
+    head = DraftHead(config).attach_target(target)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn_like(p))  # norms away from 1, so a swapped tensor changes the logits
+        if kind == "eagle3":
+            counts = torch.randint(0, 1000, (config.vocab_size,))
+            d2t, t2d = build_draft_vocab(counts, config.draft_vocab_size)
+            head.d2t.copy_(d2t)
+            head.t2d.copy_(t2d)
+    return head.eval()
