@@ -56,3 +56,12 @@ def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: str
 def target_name(path: str | Path) -> str:
     """A human-readable target name: the folder name."""
     return Path(path).expanduser().resolve().name
+
+
+def target_config_hash(path: str | Path) -> str:
+    """train.features.config_hash of the target's config AS SAVED (independent of the dtype it is loaded in)."""
+    from transformers import AutoConfig
+
+    from train.features import config_hash
+
+    return config_hash(AutoConfig.from_pretrained(str(_check_folder(path))))

@@ -1,0 +1,176 @@
+"""Collect target features: one target forward per prepared sequence, hidden states written as bf16 shards.
+
+    python -m train.collect configs/smollm2-135m-eagle3.yaml [features.batch_tokens=8192 ...]
+    accelerate launch --num_processes 2 -m train.collect RECIPE     # rank r takes shards i with i % W == r
+
+The "train" split goes to features.dir and "validation" to features.validation_dir (default
+features.dir/validation). Shard i holds sequences [i·S, (i+1)·S) of the split in their prepared order. Within a
+shard, sequences are sorted by length and packed into right-padded batches of at most features.batch_tokens
+padded tokens. Right padding needs no attention mask: attention is causal, so a real token never sees a pad.
+One forward of the base model (no lm_head) with HiddenStateCapture records the aux layers and the last decoder
+layer (pre-norm) together. A finished shard is listed in the manifest only after its file is renamed into
+place, so re-running the same command skips it; a killed run redoes only the shard it was writing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from tqdm import tqdm
+
+from drafthead.capture import HiddenStateCapture, decoder_layers
+from drafthead.checkpoint import atomic_write_json
+from drafthead.config import default_aux_layer_ids
+from train.features import MANIFEST, FeatureWriter, Sequence, shard_name
+from train.recipe import load_recipe
+from train.target import load_target, target_config_hash, target_name
+
+FEATURE_DTYPE = torch.bfloat16
+
+
+def rank_and_world() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from the launcher's environment (accelerate launch / torchrun set them)."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Indices grouped into batches, sorted by length, each with (batch size × longest) <= batch_tokens."""
+    order = sorted(range(len(lengths)), key=lambda j: (lengths[j], j))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for j in order:  # ascending lengths: the newest member is the longest
+        if current and (len(current) + 1) * lengths[j] > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(j)
+    if current:
+        batches.append(current)
+    return batches
+
+
+@torch.no_grad()
+def forward_features(
+    model: Any, batch: list[list[int]], aux_layer_ids: list[int], last_layer_id: int, device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """One forward over right-padded `batch`; yields per sequence (aux_hidden (T, k·H), last_hidden (T, H)) in bf16 on CPU."""
+    longest = max(len(ids) for ids in batch)
+    input_ids = torch.zeros(len(batch), longest, dtype=torch.long)  # (B, T), pad id 0: never attended (causal)
+    for b, ids in enumerate(batch):
+        input_ids[b, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+    with HiddenStateCapture(model, aux_layer_ids + [last_layer_id]) as cap:
+        model.get_decoder()(input_ids=input_ids.to(device), use_cache=False)  # base model: no lm_head logits
+    aux = cap.stacked(aux_layer_ids).to(device="cpu", dtype=FEATURE_DTYPE)  # (B, T, k·H)
+    last = cap.outputs[last_layer_id].to(device="cpu", dtype=FEATURE_DTYPE)  # (B, T, H)
+    for b, ids in enumerate(batch):
+        yield aux[b, : len(ids)], last[b, : len(ids)]
+
+
+@contextmanager
+def manifest_lock(folder: Path):
+    """Exclusive file lock, so ranks sharing a features folder update the manifest one at a time."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".manifest.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _reload(writer: FeatureWriter) -> None:
+    """Pick up shards other ranks have finished since this writer read the manifest."""
+    path = writer.folder / MANIFEST
+    if path.exists():
+        writer.manifest["shards"] = json.loads(path.read_text())["shards"]
+
+
+def collect_split(
+    model: Any, split: Any, folder: str | Path, header: dict, aux_layer_ids: list[int], shard_sequences: int,
+    batch_tokens: int, device: torch.device, rank: int = 0, world: int = 1, desc: str = "collect",
+) -> dict:
+    """Write every shard of `split` (a datasets split with input_ids, loss_mask) owned by this rank into `folder`."""
+    folder = Path(folder)
+    last_layer_id = len(decoder_layers(model)) - 1
+    num = len(split)
+    num_shards = math.ceil(num / shard_sequences)
+    header = {**header, "aux_layer_ids": list(aux_layer_ids), "last_layer_id": last_layer_id,
+              "dtype": "bfloat16", "shard_sequences": shard_sequences, "num_sequences_planned": num}
+    with manifest_lock(folder):
+        writer = FeatureWriter(folder, header)
+        _reload(writer)
+        if num_shards == 0 and rank == 0 and not (folder / MANIFEST).exists():
+            atomic_write_json(folder / MANIFEST, writer.manifest)  # an empty split still gets a manifest
+    mine = [i for i in range(num_shards) if i % world == rank and not writer.done(i)]
+    skipped = sum(1 for i in range(num_shards) if i % world == rank) - len(mine)
+    for i in mine:  # temp files a killed run left behind (only this rank's shards: others may be writing)
+        for stale in folder.glob(f".{shard_name(i)}.*.tmp"):
+            stale.unlink(missing_ok=True)
+    lengths = [len(x) for x in split["input_ids"]] if mine else []
+    total = sum(sum(lengths[i * shard_sequences : (i + 1) * shard_sequences]) for i in mine)
+    bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"{desc} rank {rank}", disable=total == 0)
+    for i in mine:
+        rows = split[i * shard_sequences : (i + 1) * shard_sequences]
+        ids, masks = rows["input_ids"], rows["loss_mask"]
+        out: list[Sequence | None] = [None] * len(ids)
+        for batch in length_batches([len(x) for x in ids], batch_tokens):
+            feats = forward_features(model, [ids[j] for j in batch], aux_layer_ids, last_layer_id, device)
+            for j, (aux, last) in zip(batch, feats):
+                out[j] = Sequence(torch.as_tensor(ids[j], dtype=torch.int32), torch.as_tensor(masks[j], dtype=torch.bool),
+                                  aux, last)
+                bar.update(len(ids[j]))
+        with manifest_lock(folder):
+            _reload(writer)
+            writer.write_shard(i, out)  # shard file renamed into place first, then the manifest
+    bar.close()
+    return {"shards_written": len(mine), "shards_skipped": skipped, "tokens": total}
+
+
+def collect(recipe: dict) -> dict:
+    """Collect the splits named by features.splits (default train and validation) of data.prepared_dir."""
+    from datasets import load_from_disk
+
+    feats = recipe["features"]
+    rank, world, local_rank = rank_and_world()
+    device = torch.device(recipe.get("device", "cpu"))
+    if device.type == "cuda" and device.index is None and world > 1:
+        device = torch.device("cuda", local_rank)
+    prepared = Path(recipe["data"]["prepared_dir"])
+    if not prepared.exists():
+        raise SystemExit(f"error: {prepared} not found: run `python -m train.prepare RECIPE` first")
+    data = load_from_disk(str(prepared))
+    model = load_target(recipe["target"], device=device, dtype=recipe.get("dtype", "bfloat16"))
+    num_layers = len(decoder_layers(model))
+    aux = (recipe.get("head") or {}).get("aux_layer_ids") or default_aux_layer_ids(num_layers)
+    header = {"target": target_name(recipe["target"]), "target_config_hash": target_config_hash(recipe["target"]),
+              "hidden_size": int(model.config.get_text_config().hidden_size)}
+    folders = {"train": feats["dir"], "validation": feats.get("validation_dir") or os.path.join(feats["dir"], "validation")}
+    results = {}
+    for name in feats.get("splits") or ["train", "validation"]:
+        if name not in data:
+            raise SystemExit(f"error: {prepared} has no split {name!r} (it has {list(data)})")
+        results[name] = collect_split(
+            model, data[name], folders.get(name, os.path.join(feats["dir"], name)), header, list(aux),
+            int(feats["shard_sequences"]), int(feats["batch_tokens"]), device, rank, world, desc=name,
+        )
+        print(f"{name}: {results[name]}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        raise SystemExit(0 if argv else 2)
+    collect(load_recipe(argv[0], argv[1:]))
+
+
+if __name__ == "__main__":
+    main()
