@@ -1,0 +1,251 @@
+"""SpeculativeGenerator: draft a tree with the head, verify it with the target in one forward, repeat.
+
+    gen = SpeculativeGenerator.from_pretrained(target_path, head_path, device="cpu", dtype="bfloat16")
+    out = gen.generate(input_ids, max_new_tokens=128, temperature=0.0)
+    out.sequences  # (1, prompt + new) ; out.stats.mean_accepted, out.stats.tokens_per_s, ...
+
+Lossless: greedy output equals the target's own greedy decoding; sampled tokens follow the target's processed
+distribution exactly (see verify.py). Stops (eos, stop strings, max_new_tokens) may land inside an accepted path;
+the path is then cut where plain decoding would have stopped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from drafthead import DraftHead, check_compatible, load_head
+
+from .runner import TargetRunner
+from .sampling import SamplingParams, target_probs
+from .tree import TreeDrafter, TreeOptions, tree_options
+from .verify import children_lists, verify_greedy, verify_sampling
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """'bfloat16' / 'float32' / torch.dtype / None -> torch.dtype or None."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype).replace("torch.", ""), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r} (try bfloat16, float16, float32)")
+    return value
+
+
+@dataclass
+class GenerationStats:
+    """tau = mean_accepted: tokens emitted per verification forward (accepted drafts + the bonus token)."""
+
+    new_tokens: int = 0
+    target_forwards: int = 0  # prefill + verifications
+    accept_lengths: list[int] = field(default_factory=list)  # per verification, bonus included, before stops
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0  # target forwards (prefill included) + verification + cache compaction
+    total_time_s: float = 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        return sum(self.accept_lengths) / max(len(self.accept_lengths), 1)
+
+    @property
+    def histogram(self) -> dict[int, int]:
+        """accepted length -> number of verification steps."""
+        return dict(sorted(Counter(self.accept_lengths).items()))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(mean_accepted=self.mean_accepted, histogram=self.histogram, tokens_per_s=self.tokens_per_s)
+        return d
+
+
+@dataclass
+class GenerationOutput:
+    sequences: torch.Tensor  # (1, prompt + new) long
+    stats: GenerationStats
+
+
+class _Stopper:
+    """Where plain decoding would stop inside a batch of new tokens: eos, stop strings, max_new_tokens."""
+
+    def __init__(self, eos: set[int], stop: list[str], tokenizer: Any, max_new_tokens: int):
+        if stop and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: pass tokenizer=... to from_pretrained or generate")
+        self.eos, self.stop, self.tokenizer, self.max_new = eos, stop, tokenizer, max_new_tokens
+        self.longest = max((len(s) for s in stop), default=0)
+        self.text_len = 0  # characters of the decoded new tokens so far
+
+    def cut(self, done: list[int], batch: list[int]) -> int | None:
+        """Number of tokens of `batch` to keep if generation ends inside it (or right after it), else None."""
+        room = self.max_new - len(done)
+        end = None
+        for j, tok in enumerate(batch[:room]):
+            if tok in self.eos:
+                end = j + 1
+                break
+        limit = end if end is not None else min(len(batch), room)
+        if self.stop:
+            hit = self._stop_string(done, batch[:limit])
+            if hit is not None:
+                return hit
+        if end is not None or len(batch) >= room:
+            return limit
+        return None
+
+    def _stop_string(self, done: list[int], batch: list[int]) -> int | None:
+        decode = self.tokenizer.decode
+        start = max(self.text_len - self.longest, 0)
+        if not any(s in decode(done + batch)[start:] for s in self.stop):
+            self.text_len = len(decode(done + batch))
+            return None
+        for j in range(1, len(batch) + 1):  # the first token after which a stop string is present
+            if any(s in decode(done + batch[:j])[start:] for s in self.stop):
+                return j
+        return None
+
+
+class SpeculativeGenerator:
+    """A frozen target plus a draft head; see the module docstring."""
+
+    def __init__(self, target: nn.Module, head: DraftHead, tokenizer: Any = None,
+                 tree: str | TreeOptions | None = "cpu", **tree_overrides: int | None):
+        check_compatible(head.config, target.config)
+        self.target = target.eval()
+        self.head = head.eval()
+        self.tokenizer = tokenizer
+        self.options = tree_options(tree, **tree_overrides)
+        self.device = next(target.parameters()).device
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str | Path | nn.Module,
+        draft: str | Path | DraftHead,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        tokenizer: Any = None,
+        tree: str | TreeOptions | None = "cpu",
+        depth: int | None = None,
+        top_k: int | None = None,
+        total_tokens: int | None = None,
+    ) -> "SpeculativeGenerator":
+        """target: HF folder/name or a loaded causal LM; draft: head folder (native or exported) or DraftHead.
+        Raises drafthead.HeadMismatchError when the head was made for another target."""
+        dtype = parse_dtype(dtype)
+        if isinstance(target, (str, Path)):
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype if dtype is not None else "auto")
+            if tokenizer is None:
+                try:
+                    tokenizer = AutoTokenizer.from_pretrained(target)
+                except (OSError, ValueError):
+                    tokenizer = None
+        else:
+            model = target
+        model = model.to(device=device, dtype=dtype).eval()
+        ref = next(model.parameters())
+        if isinstance(draft, DraftHead):
+            check_compatible(draft.config, model.config)
+            head = draft.to(device=ref.device, dtype=ref.dtype).attach_target(model)
+        else:
+            head = load_head(draft, target=model, device=ref.device, dtype=ref.dtype)
+        return cls(model, head, tokenizer, tree, depth=depth, top_k=top_k, total_tokens=total_tokens)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        do_sample: bool | None = None,
+        eos_token_id: int | list[int] | None = None,
+        stop: list[str] | str | None = None,
+        streamer: Any = None,
+        generation_config: Any = None,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        tokenizer: Any = None,
+    ) -> GenerationOutput:
+        """Speculative generation for one prompt (1, T). Arguments as in transformers' generate; explicit
+        arguments win over `generation_config`. Greedy unless sampling is asked for (temperature > 0 or
+        do_sample). eos defaults to the target's generation_config.eos_token_id."""
+        t_start = time.perf_counter()
+        gc = generation_config
+        params = SamplingParams.make(temperature, top_k, top_p, do_sample, gc)
+        if max_new_tokens is None:
+            max_new_tokens = getattr(gc, "max_new_tokens", None) or 20
+        if eos_token_id is None:
+            eos_token_id = getattr(gc, "eos_token_id", None)
+        if eos_token_id is None:
+            eos_token_id = getattr(getattr(self.target, "generation_config", None), "eos_token_id", None)
+        eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
+        if stop is None:
+            stop = getattr(gc, "stop_strings", None)
+        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        stopper = _Stopper(eos, stop, tokenizer or self.tokenizer, max_new_tokens)
+        if generator is None and seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        input_ids = torch.as_tensor(input_ids).view(1, -1).to(self.device)
+        stats = GenerationStats()
+
+        def pick(logits: torch.Tensor) -> torch.Tensor:  # (1, V) -> (1,)
+            if not params.do_sample:
+                return logits.float().argmax(dim=-1)
+            return torch.multinomial(target_probs(logits, params), 1, generator=generator)[0]
+
+        runner = TargetRunner(self.target, self.head.config.aux_layer_ids)
+        drafter = TreeDrafter(self.head, self.options)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        t0 = time.perf_counter()
+        logits, features = runner.prefill(input_ids)
+        first = pick(logits)
+        stats.target_forwards += 1
+        stats.verify_time_s += time.perf_counter() - t0
+        new: list[int] = []
+        batch = first.tolist()
+        while True:
+            keep = stopper.cut(new, batch)
+            emitted = batch if keep is None else batch[:keep]
+            new += emitted
+            if streamer is not None and emitted:
+                streamer.put(torch.tensor(emitted))
+            if keep is not None:
+                break
+            t0 = time.perf_counter()
+            if not stats.target_forwards > 1:  # after prefill: the prompt's pairs (f_t, x_{t+1})
+                drafter.feed(features, torch.cat([input_ids[:, 1:], first.view(1, 1)], dim=1), 0)
+            else:
+                drafter.feed(features[:, path], new_tokens.view(1, -1), drafter.stable_length)
+            tree = drafter.draft(torch.tensor(batch[-1:], device=self.device))
+            t1 = time.perf_counter()
+            logits, features = runner.verify(tree.tokens, tree.depths, tree.ancestors)
+            if params.do_sample:
+                probs = target_probs(logits[0], params)
+                path, new_tokens = verify_sampling(probs, tree, generator, children_lists(tree))
+            else:
+                path, new_tokens = verify_greedy(logits[0], tree)
+            runner.commit(path, tree.size)
+            batch = new_tokens.tolist()
+            stats.target_forwards += 1
+            stats.accept_lengths.append(len(batch))
+            stats.draft_time_s += t1 - t0
+            stats.verify_time_s += time.perf_counter() - t1
+        if streamer is not None:
+            streamer.end()
+        stats.new_tokens = len(new)
+        stats.total_time_s = time.perf_counter() - t_start
+        out = torch.tensor(new, dtype=torch.long, device=self.device).view(1, -1)
+        return GenerationOutput(torch.cat([input_ids, out], dim=1), stats)

@@ -1,0 +1,82 @@
+"""Target runner: any Hugging Face causal LM driven through its public forward, with a DynamicCache.
+
+prefill() runs the prompt; verify() runs a whole draft tree in ONE forward (4D additive float mask, explicit
+position ids) while HiddenStateCapture hooks record the head's features; commit() compacts the KV cache to the
+accepted path. Masks are built as (B, 1, n, past+n) so batch > 1 can follow; batch 1 is what is used now.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from transformers import DynamicCache
+
+from drafthead.capture import HiddenStateCapture
+from drafthead.masks import to_additive
+
+
+class TargetRunner:
+    """Owns the target's KV cache for one generation. `feature_layers`: decoder-layer outputs the head reads."""
+
+    def __init__(self, model: nn.Module, feature_layers: list[int]):
+        self.model = model
+        self.feature_layers = list(feature_layers)
+        self.capture = HiddenStateCapture(model, self.feature_layers)
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self.cache = DynamicCache()
+
+    @property
+    def length(self) -> int:
+        """Number of tokens in the KV cache."""
+        return self.cache.get_seq_length()
+
+    def _forward(self, input_ids, position_ids, attention_mask, logits_to_keep: int = 0):
+        with self.capture as cap:
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            )
+            features = cap.stacked(self.feature_layers)
+        self.cache = out.past_key_values
+        return out.logits, features
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh cache; run the prompt (1, T). Returns (last logits (1, V), features (1, T, F))."""
+        self.cache = DynamicCache()
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        logits, features = self._forward(input_ids, positions, None, logits_to_keep=1)
+        odd = {type(layer).__name__ for layer in self.cache.layers} - {"DynamicLayer"}
+        if odd:
+            raise NotImplementedError(f"tree verification needs full-attention cache layers, target has {odd}")
+        return logits[:, -1], features
+
+    @torch.inference_mode()
+    def verify(
+        self,
+        tokens: torch.Tensor,  # (1, n) tree tokens, root first, parents before children
+        depths: torch.Tensor,  # (n,) depth of each node (root 0)
+        ancestors: torch.Tensor,  # (n, n) bool: node i attends node j (ancestors and itself)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over the tree after the cached prefix. Returns (logits (1, n, V), features (1, n, F))."""
+        past = self.length
+        n = tokens.shape[1]
+        allowed = torch.cat([torch.ones(n, past, dtype=torch.bool, device=tokens.device), ancestors], dim=1)
+        mask = to_additive(allowed, self.dtype)  # (1, 1, n, past+n)
+        positions = (depths + past).unsqueeze(0)  # (1, n)
+        return self._forward(tokens, positions, mask)
+
+    @torch.no_grad()
+    def commit(self, keep: torch.Tensor, tree_size: int) -> None:
+        """Keep the tree positions `keep` (indices into the last verified tree, in order); drop the rest."""
+        past = self.length - tree_size
+        keep = keep.to(self.device) + past
+        for layer in self.cache.layers:
+            # layer.keys / layer.values: (B, kv_heads, S, head_dim)
+            layer.keys = torch.cat([layer.keys[:, :, :past], layer.keys.index_select(2, keep)], dim=2)
+            layer.values = torch.cat([layer.values[:, :, :past], layer.values.index_select(2, keep)], dim=2)

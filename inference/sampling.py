@@ -1,0 +1,83 @@
+"""Sampling parameters and logit processing identical to transformers' generate.
+
+Order and conditions follow `GenerationMixin._get_logits_processor` for do_sample=True:
+TemperatureLogitsWarper (if temperature != 1), TopKLogitsWarper (if top_k not in (None, 0)),
+TopPLogitsWarper (if top_p < 1), each with min_tokens_to_keep=1, all on float32 logits. Fields left at None
+take generate's global defaults (temperature 1.0, top_k 50, top_p 1.0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """do_sample=False means greedy (argmax); otherwise sample from the processed distribution."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 1.0
+
+    @classmethod
+    def make(
+        cls,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        do_sample: bool | None = None,
+        generation_config: Any | None = None,
+    ) -> "SamplingParams":
+        """Explicit arguments win over `generation_config`; None falls back to generate's defaults.
+
+        Without do_sample (from either source), sampling is on iff temperature > 0 was given.
+        """
+        gc = generation_config
+        pick = lambda name, value: value if value is not None else getattr(gc, name, None)  # noqa: E731
+        temperature, top_k, top_p = pick("temperature", temperature), pick("top_k", top_k), pick("top_p", top_p)
+        if do_sample is None:
+            do_sample = getattr(gc, "do_sample", None) if gc is not None else None
+        if do_sample is None:
+            do_sample = temperature is not None and temperature > 0
+        if not do_sample:
+            return cls(do_sample=False)
+        temperature = HF_DEFAULTS["temperature"] if temperature is None else float(temperature)
+        top_k = HF_DEFAULTS["top_k"] if top_k is None else int(top_k)
+        top_p = HF_DEFAULTS["top_p"] if top_p is None else float(top_p)
+        if temperature <= 0:
+            raise ValueError(f"sampling needs temperature > 0, got {temperature} (use do_sample=False for greedy)")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        return cls(True, temperature, top_k, top_p)
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(..., V) logits -> float32 processed logits (-inf where filtered), exactly as transformers' warpers."""
+    scores = logits.float()
+    if params.temperature != 1.0:
+        scores = scores / params.temperature
+    if params.top_k:
+        k = min(params.top_k, scores.size(-1))
+        kth = torch.topk(scores, k).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, -float("inf"))
+    if params.top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(scores, descending=False)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cum <= (1 - params.top_p)
+        remove_sorted[..., -1:] = False
+        remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
+        scores = scores.masked_fill(remove, -float("inf"))
+    return scores
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(..., V) logits -> float32 probabilities of the processed distribution."""
+    return process_logits(logits, params).softmax(dim=-1)

@@ -1,0 +1,173 @@
+"""EAGLE-2 dynamic draft tree.
+
+The head keeps its KV cache across steps. Its stable part holds the pairs (true target feature at t, token t+1)
+at positions 0..P-1, where P is the position of the tree root (the last emitted token, not yet seen by the target).
+draft() expands the tree: depth 1 comes from the head's last output; each further depth is ONE head forward over
+the top_k frontier nodes (best cumulative draft log-prob), attending the stable cache plus their own drafted
+ancestors. All candidates are reranked by cumulative log-prob and the best `total_tokens` kept; a child's score is
+never above its parent's and a stable sort puts parents first on ties, so the kept set is always a tree.
+After verification, feed() crops the cache back to P and appends the accepted pairs with their TRUE features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from drafthead.masks import causal_allowed, to_additive
+from drafthead.model import DraftHead, HeadKVCache
+
+
+@dataclass(frozen=True)
+class TreeOptions:
+    """depth: max drafted tokens on a path (= head forwards per draft); top_k: children per expanded node and
+    nodes expanded per depth; total_tokens: drafted nodes sent to the target (the root comes on top)."""
+
+    depth: int = 5
+    top_k: int = 8
+    total_tokens: int = 24
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.top_k < 1 or self.total_tokens < 1:
+            raise ValueError(f"tree options must all be >= 1, got {self}")
+
+
+TREE_PRESETS = {
+    "cpu": TreeOptions(depth=5, top_k=8, total_tokens=24),  # verifying ~25 tokens costs ~2 decode steps on CPU
+    "gpu": TreeOptions(depth=6, top_k=10, total_tokens=60),  # EAGLE-2's GPU setting
+    "chain": TreeOptions(depth=5, top_k=1, total_tokens=5),
+}
+
+
+def tree_options(tree: str | TreeOptions | None = "cpu", **overrides: int | None) -> TreeOptions:
+    """A preset by name ("cpu", "gpu", "chain") or a TreeOptions, with depth/top_k/total_tokens overrides."""
+    if tree is None:
+        tree = "cpu"
+    if isinstance(tree, str):
+        if tree not in TREE_PRESETS:
+            raise ValueError(f"unknown tree preset {tree!r}; choose from {sorted(TREE_PRESETS)}")
+        tree = TREE_PRESETS[tree]
+    return replace(tree, **{k: v for k, v in overrides.items() if v is not None})
+
+
+@dataclass
+class DraftTree:
+    """A verification tree. Node 0 is the root; parents come before children (so ancestors[i] in index order
+    is the path to i)."""
+
+    tokens: torch.Tensor  # (1, n) target token ids
+    parents: torch.Tensor  # (n,) parent index, -1 for the root
+    depths: torch.Tensor  # (n,) root 0
+    ancestors: torch.Tensor  # (n, n) bool: j is i or an ancestor of i
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+    @staticmethod
+    def build(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+              max_depth: int | None = None) -> "DraftTree":
+        """Tree from tokens (1, n), parents (n,) (-1 at the root), depths (n,) and an upper bound on the depth."""
+        n = parents.shape[0]
+        eye = torch.eye(n, dtype=torch.bool, device=parents.device)
+        up = parents.clamp_min(0)
+        anc = eye
+        for _ in range(int(depths.max()) if max_depth is None else max_depth):  # anc_{k+1}[i] = {i} | anc_k[parent(i)]
+            anc = eye | anc[up]
+        return DraftTree(tokens, parents, depths, anc)
+
+
+class TreeDrafter:
+    """Drafts EAGLE-2 trees with a DraftHead, keeping the head's KV cache across steps."""
+
+    def __init__(self, head: DraftHead, options: TreeOptions):
+        self.head = head
+        self.opt = options
+        self.dtype = next(head.parameters()).dtype
+        self.cache = HeadKVCache()
+        self.last_hidden: torch.Tensor | None = None  # (1, 1, H) head output at the last true position
+
+    @property
+    def stable_length(self) -> int:
+        return len(self.cache)
+
+    @torch.inference_mode()
+    def feed(self, features: torch.Tensor, tokens: torch.Tensor, start: int) -> None:
+        """Crop the cache to `start`, then append true pairs: features (1, m, F) at positions start.., tokens (1, m)
+        = the token after each feature."""
+        self.cache.crop(start)
+        m = tokens.shape[1]
+        hidden = self.head.fuse(features.to(self.dtype))  # (1, m, H)
+        positions = torch.arange(start, start + m, device=tokens.device).unsqueeze(0)
+        mask = to_additive(causal_allowed(m, start, tokens.device), self.dtype)  # (1, 1, m, start+m)
+        out = self.head(tokens, hidden, positions, mask, self.cache)
+        self.last_hidden = out[:, -1:]
+
+    def _topk_logp(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden (k0, H) -> (log-probs (k0, k) float32, target ids (k0, k)) of each row's top-k draft tokens."""
+        logp = torch.log_softmax(self.head.logits(hidden).float(), dim=-1)
+        top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+        return top.values, self.head.draft_to_target(top.indices)
+
+    @torch.inference_mode()
+    def draft(self, root: torch.Tensor) -> DraftTree:
+        """root: (1,) the last emitted token. Returns the verification tree (root + up to total_tokens nodes)."""
+        k, device = self.opt.top_k, root.device
+        stable = self.stable_length  # the root sits at position `stable`
+        scores, tokens = self._topk_logp(self.last_hidden[0], k)  # (1, k)
+        k = scores.shape[1]
+        cand_scores, cand_tokens = [scores[0]], [tokens[0]]
+        cand_parents = [torch.full((k,), -1, dtype=torch.long, device=device)]
+        cand_depths = [torch.ones(k, dtype=torch.long, device=device)]
+        frontier = torch.arange(k, device=device)  # candidate ids of the nodes to expand
+        frontier_scores = scores[0]  # (k,)
+        parent_hidden = self.last_hidden.expand(1, k, -1)  # (1, k, H)
+        parent_fed = None  # (k,) index of each frontier node's parent among fed nodes (None at depth 1)
+        fed_allowed = torch.zeros(0, 0, dtype=torch.bool, device=device)  # (f, f) ancestry among fed nodes
+        num_cands = k
+        for d in range(1, self.opt.depth):
+            # feed the frontier (depth d) at position stable-1+d; it attends the stable cache + its fed ancestors
+            f = fed_allowed.shape[0]
+            eye = torch.eye(k, dtype=torch.bool, device=device)
+            rows = torch.zeros(k, f, dtype=torch.bool, device=device) if parent_fed is None else fed_allowed[parent_fed]
+            rows = torch.cat([rows, eye], dim=1)  # (k, f+k)
+            fed_allowed = torch.cat([torch.cat([fed_allowed, torch.zeros(f, k, dtype=torch.bool, device=device)], 1),
+                                     rows], dim=0)
+            allowed = torch.cat([torch.ones(k, stable, dtype=torch.bool, device=device), rows], dim=1)
+            positions = torch.full((1, k), stable - 1 + d, dtype=torch.long, device=device)
+            node_tokens = torch.cat(cand_tokens)[frontier].unsqueeze(0)  # (1, k)
+            out = self.head(node_tokens, parent_hidden, positions, to_additive(allowed, self.dtype), self.cache)
+            logp, child_tokens = self._topk_logp(out[0], k)  # (k, k)
+            child_scores = (frontier_scores[:, None] + logp).flatten()  # (k·k,)
+            cand_scores.append(child_scores)
+            cand_tokens.append(child_tokens.flatten())
+            cand_parents.append(frontier.repeat_interleave(logp.shape[1]))
+            cand_depths.append(torch.full_like(child_scores, d + 1, dtype=torch.long))
+            best = torch.topk(child_scores, k).indices  # (k,) new frontier, within this depth's block
+            owner = best // logp.shape[1]  # which fed node is each new frontier node's parent
+            frontier = num_cands + best
+            frontier_scores = child_scores[best]
+            parent_hidden = out[:, owner]
+            parent_fed = f + owner
+            num_cands += child_scores.shape[0]
+        self.cache.crop(stable)
+        return self._select(root, torch.cat(cand_scores), torch.cat(cand_tokens), torch.cat(cand_parents),
+                            torch.cat(cand_depths))
+
+    def _select(self, root, scores, tokens, parents, depths) -> DraftTree:
+        """Keep the best total_tokens candidates (stable sort: parents before children on ties)."""
+        keep = min(self.opt.total_tokens, scores.shape[0])
+        order = torch.sort(scores, descending=True, stable=True).indices[:keep]
+        chosen = torch.sort(order).values  # candidate order: parents before children
+        where = torch.full_like(scores, -1, dtype=torch.long)
+        where[chosen] = torch.arange(1, keep + 1, device=scores.device)
+        par = parents[chosen]
+        tree_parents = torch.where(par < 0, torch.zeros_like(par), where[par.clamp_min(0)])
+        minus1 = torch.full((1,), -1, dtype=torch.long, device=scores.device)
+        return DraftTree.build(
+            torch.cat([root.view(1), tokens[chosen]]).unsqueeze(0),
+            torch.cat([minus1, tree_parents]),
+            torch.cat([torch.zeros(1, dtype=torch.long, device=scores.device), depths[chosen]]),
+            max_depth=self.opt.depth,
+        )
