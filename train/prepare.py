@@ -11,6 +11,7 @@ one chat never straddle train and validation.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import shutil
 import sys
@@ -68,7 +69,9 @@ def save_dataset_atomic(data: Any, folder: str | Path) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.tmp-"))
     try:
-        data.save_to_disk(str(tmp))
+        # one arrow file per 256 MB; an empty split needs an explicit shard or it cannot be loaded back
+        shards = {name: max(1, math.ceil(split.data.nbytes / 2**28)) for name, split in data.items()}
+        data.save_to_disk(str(tmp), num_shards=shards)
         old = None
         if folder.exists():
             old = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.old-"))
