@@ -1,0 +1,378 @@
+"""The training loop: accelerate (DeepSpeed ZeRO 0-3 or DDP, or one process), EAGLE-3 TTT or EAGLE-1 loss.
+
+    accelerate launch [--config_file configs/accelerate/<x>.yaml] -m train RECIPE [key=value ...]
+    python -m train RECIPE                       # one process
+
+One optimizer step = grad_accum micro-batches per rank. Every rank reads its own micro-batches of a
+deterministic epoch order (train.batches), so a resumed run continues exactly where the checkpoint was taken.
+Re-running the same command resumes from the latest complete checkpoint in train.output_dir.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs, set_seed
+
+from drafthead import DraftHead, HeadConfig
+from drafthead.config import default_aux_layer_ids
+from drafthead.vocab import build_draft_vocab, full_vocab, token_frequencies
+from train.batches import PreparedSequences, collate, epoch_batches, rank_batches, with_online_features
+from train.evaluate import evaluate, step_statistics
+from train.features import FeatureDataset
+from train.loss import DraftTrainModule
+from train.state import clean_partial, gathered_params, latest_checkpoint, load_checkpoint, save_checkpoint, \
+    save_head_folder
+from train.target import load_target, target_config_hash, target_name
+
+PRECISIONS = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "no", "float32": "no",
+              "no": "no"}
+
+
+@dataclass
+class TrainConfig:
+    """The recipe's `train:` section."""
+
+    output_dir: str = "runs/train"
+    max_steps: int | None = None  # or epochs
+    epochs: int | None = None
+    save_every: int = 500
+    eval_every: int = 500
+    keep_checkpoints: int | None = 2  # null = keep all
+    batch_size: int | None = None  # sequences per micro-batch, or
+    batch_tokens: int | None = 8192  # padded tokens per micro-batch
+    grad_accum: int = 1
+    lr: float = 1e-4
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.5
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8
+    feature_noise: float = 0.0  # EAGLE-1: uniform +-noise on the input features
+    online: bool = False
+    seed: int = 0
+    mixed_precision: str = "bf16"
+    max_length: int | None = 2048
+    eval_batches: int | None = None  # cap on validation micro-batches per rank (null = all)
+
+    @classmethod
+    def from_recipe(cls, recipe: dict) -> "TrainConfig":
+        values = dict(recipe.get("train") or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown train keys {unknown}; known: {sorted(known)}")
+        config = cls(**values)
+        if config.batch_size is not None and "batch_tokens" not in values:
+            config.batch_tokens = None
+        if (config.max_steps is None) == (config.epochs is None):
+            raise ValueError("set exactly one of train.max_steps and train.epochs")
+        if str(config.mixed_precision).lower() not in PRECISIONS:
+            raise ValueError(f"train.mixed_precision must be one of {sorted(PRECISIONS)}")
+        return config
+
+
+def lr_at(config: TrainConfig, step: int, total: int) -> float:
+    """Linear warmup then cosine decay to min_lr_ratio·lr; a pure function of the step (resume-exact)."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, total - config.warmup_steps)
+    floor = config.min_lr_ratio
+    return config.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def make_accelerator(config: TrainConfig, grad_accum: int) -> Accelerator:
+    """An Accelerator with gloo on CPU (DeepSpeed and DDP), the launcher's engine, and a sanity check."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # avoids a ~70 s JIT build on first init
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    distributed = launched > 1 or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed and not torch.cuda.is_available() else []
+    accelerator = Accelerator(mixed_precision=PRECISIONS[str(config.mixed_precision).lower()],
+                              gradient_accumulation_steps=grad_accum, kwargs_handlers=handlers)
+    if launched != accelerator.num_processes:
+        raise RuntimeError(
+            f"{launched} processes were launched but accelerate runs {accelerator.num_processes} without gradient "
+            "sync (on CPU use `accelerate launch --use_deepspeed --zero_stage N --num_processes 2 --num_machines 1` "
+            "or ACCELERATE_USE_CPU=true with --multi_gpu for DDP)"
+        )
+    return accelerator
+
+
+def token_sequences(dataset):
+    """(input_ids, loss_mask) pairs of a feature or prepared dataset, without reading the hidden states."""
+    if isinstance(dataset, FeatureDataset):
+        for shard in dataset.manifest["shards"]:
+            handle = dataset._handle(shard["file"])
+            yield handle.get_tensor("input_ids"), handle.get_tensor("loss_mask")
+    else:
+        for item in dataset:
+            yield item["input_ids"], item["loss_mask"]
+
+
+def _open_split(recipe: dict, config: TrainConfig, split: str):
+    """The dataset of a split: features (offline) or prepared sequences (online); None if it does not exist."""
+    if config.online:
+        folder = Path(recipe["data"]["prepared_dir"])
+        try:
+            return PreparedSequences(folder, split)
+        except KeyError:
+            if split == "train":
+                raise
+            return None
+    feats = recipe.get("features") or {}
+    folder = Path(feats["dir"]) if split == "train" else Path(
+        feats.get("validation_dir") or Path(feats["dir"]) / "validation")
+    if split != "train" and not (folder / "manifest.json").exists():
+        return None
+    return FeatureDataset(folder)
+
+
+def build_head(recipe: dict, config: TrainConfig, target, train_set) -> DraftHead:
+    """Head shaped after the target, aux ids checked against the features, draft vocab from the train tokens."""
+    head_cfg = recipe.get("head") or {}
+    kind = head_cfg.get("kind", "eagle3")
+    num_layers = target.config.get_text_config().num_hidden_layers
+    aux = head_cfg.get("aux_layer_ids") or default_aux_layer_ids(num_layers)
+    if isinstance(train_set, FeatureDataset):
+        manifest = train_set.manifest
+        if kind == "eagle3" and list(manifest.get("aux_layer_ids", aux)) != list(aux):
+            raise ValueError(
+                f"features in {train_set.folder} hold aux layers {manifest['aux_layer_ids']}, the recipe's head wants "
+                f"{list(aux)}: set head.aux_layer_ids to match or re-collect the features"
+            )
+        expected = target_config_hash(recipe["target"])
+        if manifest.get("target_config_hash", expected) != expected:
+            raise ValueError(f"features in {train_set.folder} were collected from another target "
+                             f"(config hash {manifest['target_config_hash']} != {expected})")
+    vocab_size = target.config.get_text_config().vocab_size
+    draft_vocab = head_cfg.get("draft_vocab_size") or vocab_size
+    config_ = HeadConfig.from_target_config(target.config, kind=kind, draft_vocab_size=draft_vocab,
+                                            aux_layer_ids=aux, target_name=target_name(recipe["target"]))
+    head = DraftHead(config_).attach_target(target)
+    if head.eagle3:
+        if draft_vocab < vocab_size:
+            d2t, t2d = build_draft_vocab(token_frequencies(token_sequences(train_set), vocab_size), draft_vocab)
+        else:
+            d2t, t2d = full_vocab(vocab_size)
+        head.d2t.copy_(d2t)
+        head.t2d.copy_(t2d)
+    return head
+
+
+class Trainer:
+    """Builds everything from a recipe; `run()` trains to max_steps, resuming when a checkpoint exists."""
+
+    def __init__(self, recipe: dict):
+        self.recipe = recipe
+        self.config = config = TrainConfig.from_recipe(recipe)
+        self.accelerator = acc = make_accelerator(config, config.grad_accum)
+        self.output_dir = Path(config.output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        set_seed(config.seed)  # identical head init on every rank
+        device = acc.device
+        self.train_set = _open_split(recipe, config, "train")
+        self.val_set = _open_split(recipe, config, "validation")
+        target = load_target(recipe["target"], device=device,
+                             dtype=recipe.get("dtype", "float32") if config.online else "float32")
+        head = build_head(recipe, config, target, self.train_set)
+        self.target = target if config.online else None  # offline: only the borrowed modules are kept
+        self.aux_layer_ids = head.config.aux_layer_ids
+        module = DraftTrainModule(head, target, config.ttt_steps, config.ttt_decay, config.feature_noise).to(device)
+        if not config.online:
+            del target
+        params = [p for p in module.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
+        plugin = acc.state.deepspeed_plugin
+        if plugin is not None:  # fill what accelerate cannot infer (we feed our own per-rank batches)
+            plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = config.batch_size or 1
+            plugin.deepspeed_config["gradient_clipping"] = config.max_grad_norm
+        self.model, self.optimizer = acc.prepare(module, optimizer)
+        self.head = acc.unwrap_model(self.model).head
+        self.engine = type(self.model).__name__
+        self._check_engine()
+        self.lengths = self.train_set.lengths()
+        self.total_steps = config.max_steps or sum(self._steps_in_epoch(e) for e in range(config.epochs))
+
+    # ------------------------------------------------------------------------------------------ setup
+    def _check_engine(self) -> None:
+        acc = self.accelerator
+        synced = self.engine in ("DeepSpeedEngine", "DistributedDataParallel")
+        stage = None
+        if acc.state.deepspeed_plugin is not None:
+            stage = acc.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {}).get("stage")
+        acc.print(f"[train] engine={self.engine} zero_stage={stage} world_size={acc.num_processes} "
+                  f"device={acc.device} mixed_precision={acc.mixed_precision} "
+                  f"trainable_params={self.head.num_trainable_parameters():,}")
+        assert acc.num_processes == 1 or synced, (
+            f"{acc.num_processes} processes but engine {self.engine} does not synchronise gradients"
+        )
+
+    def _rank_epoch(self, epoch: int, lengths: list[int] | None = None, seed: int | None = None) -> list[list[int]]:
+        c, acc = self.config, self.accelerator
+        batches = epoch_batches(lengths or self.lengths, c.seed if seed is None else seed, epoch,
+                                c.batch_size, c.batch_tokens if not c.batch_size else None, c.max_length)
+        return rank_batches(batches, acc.process_index, acc.num_processes)
+
+    def _steps_in_epoch(self, epoch: int) -> int:
+        steps = len(self._rank_epoch(epoch)) // self.config.grad_accum
+        if steps == 0:
+            raise ValueError("an epoch has fewer micro-batches than train.grad_accum: add data or shrink batches")
+        return steps
+
+    def step_groups(self, start: int):
+        """Yield (step, epoch, [grad_accum micro-batches of sequence indices]) from optimizer step `start`."""
+        step, epoch = 0, 0
+        while True:
+            batches = self._rank_epoch(epoch)
+            n = self._steps_in_epoch(epoch)
+            for s in range(max(0, start - step), n):
+                yield step + s, epoch, batches[s * self.config.grad_accum : (s + 1) * self.config.grad_accum]
+            step, epoch = step + n, epoch + 1
+
+    def load_batch(self, dataset, indices: list[int]) -> dict[str, torch.Tensor]:
+        c = self.config
+        items = [dataset[i] for i in indices]
+        if c.max_length:
+            items = [{k: v[: c.max_length] for k, v in item.items()} for item in items]
+        if c.online:
+            items = with_online_features(items, self.target, self.aux_layer_ids, self.accelerator.device)
+        return {k: v.to(self.accelerator.device) for k, v in collate(items).items()}
+
+    def validation_batches(self):
+        batches = self._rank_epoch(0, self.val_set.lengths(), seed=0)
+        for indices in batches[: self.config.eval_batches]:
+            yield self.load_batch(self.val_set, indices)
+
+    # ------------------------------------------------------------------------------------------ loop
+    def run(self) -> Path:
+        c, acc = self.config, self.accelerator
+        clean_partial(acc, self.output_dir)
+        start = 0
+        resume = latest_checkpoint(self.output_dir)
+        if resume is not None:
+            start = load_checkpoint(acc, resume)["step"]
+            acc.print(f"[train] resumed from {resume} at step {start}")
+        log = Logger(self.output_dir, acc.is_main_process, start)
+        seen: list[list[int]] = []
+        progress = _progress(self.total_steps, start, acc.is_main_process)
+        self.model.train()
+        tic = time.perf_counter()
+        for step, epoch, group in self.step_groups(start):
+            if step >= self.total_steps:
+                break
+            lr = lr_at(c, step, self.total_steps)
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+            losses, tokens = [], 0
+            stats = None
+            for indices in group:
+                seen.append(indices)
+                batch = self.load_batch(self.train_set, indices)
+                tokens += sum(min(self.lengths[i], c.max_length or self.lengths[i]) for i in indices)
+                with acc.accumulate(self.model):
+                    out = self.model(**batch)
+                    acc.backward(out["loss"])
+                    grad_norm = acc.clip_grad_norm_(self.model.parameters(), c.max_grad_norm) \
+                        if acc.sync_gradients else None
+                    self.optimizer.step()
+                    self.optimizer.zero_grad()
+                losses.append(out["loss"].detach().float())
+                s = step_statistics({k: [t.detach() for t in v] if isinstance(v, list) else v
+                                     for k, v in out.items()}, batch["input_ids"])
+                stats = s if stats is None else {k: stats[k] + s[k] for k in s}
+            packed = torch.cat([torch.stack(losses).mean().reshape(1).double(), stats["correct"][:1],
+                                stats["count"][:1], torch.tensor([tokens], dtype=torch.float64, device=acc.device)])
+            packed = acc.reduce(packed, "sum")
+            elapsed = time.perf_counter() - tic
+            tic = time.perf_counter()
+            record = {"step": step + 1, "epoch": epoch, "loss": float(packed[0]) / acc.num_processes, "lr": lr,
+                      "acc_0": float(packed[1] / packed[2].clamp(min=1)), "tokens": int(packed[3]),
+                      "tokens_per_s": float(packed[3]) / max(elapsed, 1e-9)}
+            if grad_norm is not None:
+                record["grad_norm"] = float(grad_norm)
+            done = step + 1
+            if self.val_set is not None and (done % c.eval_every == 0 or done == self.total_steps):
+                record.update(evaluate(self.model, self.validation_batches(), lambda t: acc.reduce(t, "sum")))
+                self.model.train()
+            log.write(record)
+            progress.update(1)
+            progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            if done % c.save_every == 0 or done == self.total_steps:
+                save_checkpoint(acc, self.head, self.output_dir, done,
+                                {"epoch": epoch, "lr": lr, "grad_accum": c.grad_accum}, keep=c.keep_checkpoints)
+        progress.close()
+        log.close()
+        final = self.output_dir / "final"
+        save_head_folder(acc, self.head, final)
+        self._write_rank_report(seen)
+        acc.print(f"[train] done: {final}")
+        acc.end_training()
+        return final
+
+    def _write_rank_report(self, seen: list[list[int]]) -> None:
+        """ranks/rank-<r>.json: engine, world size, the sequences this rank trained on, parameter checksums."""
+        acc = self.accelerator
+        with gathered_params(self.head):
+            sums = {n: float(p.detach().double().sum()) for n, p in self.head.named_parameters() if p.requires_grad}
+        report = {"rank": acc.process_index, "world_size": acc.num_processes, "engine": self.engine,
+                  "mixed_precision": acc.mixed_precision, "seen": seen, "param_sums": sums,
+                  "config": asdict(self.config)}
+        path = self.output_dir / "ranks" / f"rank-{acc.process_index}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report) + "\n")
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, desc="train", dynamic_ncols=True)
+
+
+class Logger:
+    """log.jsonl (truncated to the resume step on restart) + TensorBoard, rank 0 only."""
+
+    def __init__(self, output_dir: Path, enabled: bool, start_step: int):
+        self.enabled = enabled
+        self.path = output_dir / "log.jsonl"
+        self.tb = None
+        if not enabled:
+            return
+        if self.path.exists():  # drop records of steps a killed run did after its last checkpoint
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= start_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(output_dir / "tensorboard"))
+        except ImportError:  # tensorboard is optional at run time
+            self.tb = None
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def train(recipe: dict) -> Path:
+    """Train a head as the recipe says; returns output_dir/final."""
+    return Trainer(recipe).run()
