@@ -96,6 +96,11 @@ def _check_config(cfg: dict[str, Any]) -> str:
                 f"aux layer ids disagree: eagle_config (SGLang, output of layer k) has {sglang}, so the top-level "
                 f"vLLM key (input of layer k) must be {[k + 1 for k in sglang]}, got {vllm}"
             )
+    return kind
+
+
+def _check_native_agreement(cfg: dict[str, Any], kind: str) -> None:
+    """Our own "drafthead_config" key (used by load_head) must say what the serving fields say."""
     native = cfg.get("drafthead_config")
     if native is not None:
         pairs = [("hidden_size", "hidden_size"), ("vocab_size", "vocab_size"), ("intermediate_size", "intermediate_size")]
@@ -108,7 +113,6 @@ def _check_config(cfg: dict[str, Any]) -> str:
                 raise ExportValidationError(
                     f"drafthead_config.{ours}={native.get(ours)} disagrees with config.json {theirs}={cfg[theirs]}"
                 )
-    return kind
 
 
 def _check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> None:
@@ -215,5 +219,6 @@ def validate_export(folder: str | Path, head: DraftHead | None = None) -> None:
         raise ExportValidationError(f"{folder / CONFIG_NAME} is not valid JSON: {err}") from err
     kind = _check_config(cfg)
     _check_tensors(load_file(str(folder / WEIGHTS_NAME)), cfg, kind)
+    _check_native_agreement(cfg, kind)
     if head is not None:
         check_reload(folder, head)
