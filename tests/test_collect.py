@@ -78,7 +78,7 @@ def _write_setup(tmp_path):
     from datasets import DatasetDict
 
     target = save_tiny_target(tmp_path / "target")
-    data = DatasetDict(train=token_dataset([160 + 7 * (i % 5) for i in range(48)]), validation=token_dataset([9, 4], 1))
+    data = DatasetDict(train=token_dataset([160 + 7 * (i % 5) for i in range(32)]), validation=token_dataset([9, 4], 1))
     data.save_to_disk(str(tmp_path / "prepared"))
     recipe = {"target": str(target), "device": "cpu", "dtype": "float32",
               "data": {"prepared_dir": str(tmp_path / "prepared")},
@@ -117,7 +117,7 @@ def test_killed_run_resumes_to_identical_shards(tmp_path):
     assert code == -signal.SIGKILL, out
     folder = tmp_path / "features"
     partial = _listed_shards_are_whole(folder) if (folder / MANIFEST).exists() else {"shards": []}
-    assert len(partial["shards"]) < 24  # killed mid-way
+    assert len(partial["shards"]) < 16  # killed mid-way
 
     code, out = _run(recipe)
     assert code == 0, out
@@ -128,7 +128,7 @@ def test_killed_run_resumes_to_identical_shards(tmp_path):
     code, out = _run(recipe, f"features.dir={reference}")
     assert code == 0, out
     uninterrupted = _listed_shards_are_whole(reference)
-    assert resumed["shards"] == uninterrupted["shards"] and len(resumed["shards"]) == 24
+    assert resumed["shards"] == uninterrupted["shards"] and len(resumed["shards"]) == 16
     for shard in resumed["shards"]:
         a, b = load_file(str(folder / shard["file"])), load_file(str(reference / shard["file"]))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -114,3 +114,37 @@ def test_prepare_end_to_end(tmp_path, tiny_target_dir):
     stats = prepare(recipe(tiny_target_dir, path, out, max_conversations=4))
     assert stats["kept"] == 4 and len(load_from_disk(str(out))["train"]) + len(load_from_disk(str(out))["validation"]) == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["convs.jsonl", "prepared"]
+
+
+def test_regenerate_replaces_assistant_turns_and_resumes(tmp_path, tiny_target_dir):
+    from train.regenerate import generate_replies, regenerate
+    from train.target import load_target, load_tokenizer
+
+    path = tmp_path / "convs.jsonl"
+    convs = [{"id": f"r{n}", "conversations": [{"from": "human", "value": "hello world " * (n + 1)},
+                                               {"from": "gpt", "value": "old"}, {"from": "human", "value": "fox"},
+                                               {"from": "gpt", "value": "old"}]} for n in range(3)]
+    write_jsonl(path, convs)
+    out = tmp_path / "regen.jsonl"
+    r = recipe(tiny_target_dir, path, tmp_path / "unused", max_length=256)
+    r.update(device="cpu", dtype="float32")
+    r["data"]["regenerate"] = {"output": str(out), "max_new_tokens": 5, "batch_size": 2, "chunk_conversations": 2}
+    assert regenerate(r) == out
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["id"] for row in rows] == ["r0", "r1", "r2"]
+    assert [m["role"] for m in rows[0]["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert all(m["content"] != "old" for row in rows for m in row["messages"])
+
+    # the first reply equals the target's own greedy reply to that prompt alone (batched + left-padded above)
+    model, tok = load_target(tiny_target_dir, "cpu", "float32"), load_tokenizer(tiny_target_dir)
+    alone, _ = generate_replies(model, tok, [rows[1]["messages"][:1]], max_new_tokens=5)
+    assert rows[1]["messages"][1]["content"] == alone[0]
+    assert read_conversations(out)[2]["messages"] == rows[2]["messages"]  # usable as data.conversations
+
+    chunks = sorted((tmp_path / "regen.jsonl.chunks").iterdir())
+    assert len(chunks) == 2
+    stamps = [c.stat().st_mtime_ns for c in chunks]
+    chunks[1].unlink()  # as if killed during the second chunk
+    regenerate(r)
+    assert chunks[0].stat().st_mtime_ns == stamps[0] and chunks[1].exists()
+    assert [json.loads(line) for line in out.read_text().splitlines()] == rows  # greedy: same result

@@ -1,0 +1,126 @@
+"""Regenerate the assistant turns of a conversation set with the target's own responses.
+
+    python -m train.regenerate configs/smollm2-135m-eagle3.yaml [data.regenerate.temperature=0.7 ...]
+
+A draft head learns the target's distribution best from text the target itself wrote. Every assistant turn is
+replaced, turn by turn, by the target's reply to the conversation so far (the user turns are kept). Generation is
+batched and left-padded, greedy (temperature 0) or sampled. Conversations are processed in chunks; each
+finished chunk is written atomically to <output>.chunks/chunk-NNNNN-of-MMMMM.jsonl and skipped on re-run, and
+the chunks are joined into <output> (OpenAI `messages` JSONL, usable as data.conversations) when all are done.
+A conversation stops at the first assistant turn whose prompt + max_new_tokens would exceed data.max_length.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from drafthead.checkpoint import atomic_write_bytes
+from train.conversations import read_conversations
+from train.recipe import load_recipe
+from train.target import load_target, load_tokenizer
+
+DEFAULTS = {"output": None, "max_new_tokens": 256, "temperature": 0.0, "top_p": 1.0, "batch_size": 16,
+            "chunk_conversations": 256, "seed": 0}
+
+
+@torch.no_grad()
+def generate_replies(model: Any, tokenizer: Any, prompts: list[list[dict]], max_new_tokens: int,
+                     temperature: float = 0.0, top_p: float = 1.0) -> tuple[list[str], int]:
+    """The target's replies to a batch of conversations (each ending with a user turn); also the new-token count."""
+    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    tokenizer.padding_side = "left"
+    enc = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(model.device)
+    sample = temperature > 0
+    out = model.generate(
+        **enc, max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature if sample else None,
+        top_p=top_p if sample else None, top_k=None, pad_token_id=tokenizer.pad_token_id,
+    )
+    new = out[:, enc["input_ids"].shape[1]:]  # (B, new)
+    replies = tokenizer.batch_decode(new, skip_special_tokens=True)
+    return [r.strip() for r in replies], int((new != tokenizer.pad_token_id).sum())
+
+
+def regenerate_chunk(model: Any, tokenizer: Any, conversations: list[dict], cfg: dict, max_length: int,
+                     bar: tqdm) -> list[dict]:
+    """Replace every assistant turn of `conversations`, turn by turn across the chunk, in length-sorted batches."""
+    done = [[] for _ in conversations]  # regenerated message lists so far
+    cursor = [0] * len(conversations)  # index of the next original message to consume
+    alive = set(range(len(conversations)))
+    tokens, start = 0, time.perf_counter()
+    while alive:
+        waiting = []  # conversations whose next assistant turn must be generated now
+        for c in sorted(alive):
+            messages = conversations[c]["messages"]
+            while cursor[c] < len(messages) and messages[cursor[c]]["role"] != "assistant":
+                done[c].append(messages[cursor[c]])
+                cursor[c] += 1
+            if cursor[c] >= len(messages) or not done[c]:
+                alive.discard(c)
+                continue
+            length = len(tokenizer.apply_chat_template(done[c], tokenize=True, add_generation_prompt=True,
+                                                       return_dict=True)["input_ids"])
+            if length + int(cfg["max_new_tokens"]) > max_length:  # no room left for another reply
+                alive.discard(c)
+                continue
+            waiting.append((length, c))
+        waiting.sort()
+        for b in range(0, len(waiting), int(cfg["batch_size"])):
+            batch = [c for _, c in waiting[b : b + int(cfg["batch_size"])]]
+            replies, n = generate_replies(model, tokenizer, [done[c] for c in batch], int(cfg["max_new_tokens"]),
+                                          float(cfg["temperature"]), float(cfg["top_p"]))
+            for c, reply in zip(batch, replies):
+                done[c].append({"role": "assistant", "content": reply})
+                cursor[c] += 1
+            tokens += n
+            bar.set_postfix(gen_tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
+    bar.update(len(conversations))
+    return [{"id": conv["id"], "messages": msgs} for conv, msgs in zip(conversations, done)
+            if any(m["role"] == "assistant" for m in msgs)]
+
+
+def regenerate(recipe: dict) -> Path:
+    """Run the regeneration described by recipe data.regenerate; returns the joined JSONL path."""
+    data_cfg = recipe["data"]
+    cfg = {**DEFAULTS, **(data_cfg.get("regenerate") or {})}
+    output = Path(cfg["output"] or Path(recipe.get("run_dir", ".")) / "regenerated.jsonl")
+    chunks_dir = output.with_name(output.name + ".chunks")
+    conversations = read_conversations(data_cfg["conversations"], skip_bad=bool(data_cfg.get("skip_bad", False)),
+                                       limit=data_cfg.get("max_conversations"))
+    size = int(cfg["chunk_conversations"])
+    chunks = [conversations[i : i + size] for i in range(0, len(conversations), size)]
+    paths = [chunks_dir / f"chunk-{i:05d}-of-{len(chunks):05d}.jsonl" for i in range(len(chunks))]  # plan in the name
+    todo = [i for i, p in enumerate(paths) if not p.exists()]
+    print(f"{len(conversations)} conversations, {len(chunks)} chunks, {len(chunks) - len(todo)} already done")
+    if todo:
+        tokenizer = load_tokenizer(recipe["target"])
+        model = load_target(recipe["target"], device=recipe.get("device", "cpu"), dtype=recipe.get("dtype", "bfloat16"))
+        bar = tqdm(total=sum(len(chunks[i]) for i in todo), unit="conv", desc="regenerate")
+        for i in todo:
+            torch.manual_seed(int(cfg["seed"]) + i)  # sampled runs are reproducible chunk by chunk
+            rows = regenerate_chunk(model, tokenizer, chunks[i], cfg, int(data_cfg["max_length"]), bar)
+            text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+            atomic_write_bytes(paths[i], lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+        bar.close()
+    joined = "".join(p.read_text(encoding="utf-8") for p in paths)
+    atomic_write_bytes(output, lambda tmp: Path(tmp).write_text(joined, encoding="utf-8"))
+    print(f"wrote {output} ({joined.count(chr(10))} conversations): use it with data.conversations={output}")
+    return output
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        raise SystemExit(0 if argv else 2)
+    regenerate(load_recipe(argv[0], argv[1:]))
+
+
+if __name__ == "__main__":
+    main()
