@@ -175,6 +175,10 @@ class Trainer:
     def __init__(self, recipe: dict):
         self.recipe = recipe
         self.config = config = TrainConfig.from_recipe(recipe)
+        # Load the frozen target before the Accelerator exists: under a ZeRO-3 launch transformers would
+        # otherwise partition it (zero.Init), and the head copies its embedding / norm / lm_head.
+        target = load_target(recipe["target"], device="cpu",
+                             dtype=recipe.get("dtype", "float32") if config.online else "float32")
         self.accelerator = acc = make_accelerator(config, config.grad_accum)
         self.output_dir = Path(config.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -182,8 +186,7 @@ class Trainer:
         device = acc.device
         self.train_set = _open_split(recipe, config, "train")
         self.val_set = _open_split(recipe, config, "validation")
-        target = load_target(recipe["target"], device=device,
-                             dtype=recipe.get("dtype", "float32") if config.online else "float32")
+        target = target.to(device)
         head = build_head(recipe, config, target, self.train_set)
         self.target = target if config.online else None  # offline: only the borrowed modules are kept
         self.aux_layer_ids = head.config.aux_layer_ids
@@ -210,9 +213,10 @@ class Trainer:
         stage = None
         if acc.state.deepspeed_plugin is not None:
             stage = acc.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {}).get("stage")
+        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in self.head.parameters() if p.requires_grad)
         acc.print(f"[train] engine={self.engine} zero_stage={stage} world_size={acc.num_processes} "
                   f"device={acc.device} mixed_precision={acc.mixed_precision} "
-                  f"trainable_params={self.head.num_trainable_parameters():,}")
+                  f"trainable_params={trainable:,}")
         assert acc.num_processes == 1 or synced, (
             f"{acc.num_processes} processes but engine {self.engine} does not synchronise gradients"
         )
