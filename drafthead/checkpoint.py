@@ -29,6 +29,7 @@ def atomic_write_bytes(path: Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600 files; checkpoints are meant to be read by others (servers)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -66,6 +67,21 @@ def save_head(head: nn.Module, path: str | Path) -> None:
     state = {k: v.detach().contiguous().cpu() for k, v in head.saved_state_dict().items()}
     atomic_write_bytes(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     atomic_write_json(path / CONFIG_NAME, {"drafthead_config": head.config.to_dict()})
+
+
+def stored_dtype(path: str | Path) -> torch.dtype:
+    """The floating dtype a head folder's weights are stored in (e.g. to export a bf16 head as bf16)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(path) / WEIGHTS_NAME), "pt") as f:
+        for name in f.keys():
+            tensor = f.get_slice(name)
+            dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}.get(
+                tensor.get_dtype()
+            )
+            if dtype is not None:
+                return dtype
+    raise ValueError(f"{Path(path) / WEIGHTS_NAME} holds no floating-point tensor")
 
 
 def load_head(

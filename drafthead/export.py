@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import CONFIG_NAME, WEIGHTS_NAME, atomic_write_json, load_head
+from .checkpoint import CONFIG_NAME, WEIGHTS_NAME, atomic_write_bytes, atomic_write_json, load_head, stored_dtype
 from .config import HeadConfig, default_aux_layer_ids
 from .model import DraftHead
 
@@ -62,7 +62,7 @@ def serving_config(config: HeadConfig, dtype: torch.dtype) -> dict[str, Any]:
         "rms_norm_eps": config.rms_norm_eps,
         "hidden_act": config.hidden_act,
         "rope_theta": config.rope_theta,
-        "rope_scaling": config.rope_scaling,
+        "rope_scaling": config.rope_scaling if rope["rope_type"] != "default" else None,
         "rope_parameters": rope,  # transformers 5.x readers
         "max_position_embeddings": config.max_position_embeddings,
         "vocab_size": config.vocab_size,
@@ -140,7 +140,7 @@ def write_serving_folder(head: DraftHead, folder: str | Path, fmt: str | None = 
     state = {k: v.detach().contiguous().cpu() for k, v in head.saved_state_dict().items()}
     state = serving_tensor_names(state, fmt)
     dtype = next(head.fc.parameters()).dtype
-    save_file(state, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    atomic_write_bytes(folder / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     atomic_write_json(folder / CONFIG_NAME, serving_config(head.config, dtype))
 
 
@@ -155,9 +155,10 @@ def export_head(src: str | Path | DraftHead, out: str | Path, fmt: str | None = 
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not force:
             raise FileExistsError(f"{out} exists and is not empty: pass --force to replace it")
-    head = src if isinstance(src, DraftHead) else load_head(src)
+    head = src if isinstance(src, DraftHead) else load_head(src, dtype=stored_dtype(src))  # keep bf16 as bf16
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    tmp.chmod(0o755)  # mkdtemp makes it private; a serving engine may run as another user
     try:
         write_serving_folder(head, tmp, fmt)
         validate_export(tmp, head=head)

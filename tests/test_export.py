@@ -76,6 +76,18 @@ def test_export_reload_identical_logits(tmp_path, arch, kind):
     assert torch.equal(logits_of(foreign), logits_of(head))
 
 
+def test_export_keeps_bf16(tmp_path):
+    target = tiny_model("llama")
+    head = tiny_head(target, "eagle3").to(torch.bfloat16)
+    head.save_pretrained(tmp_path / "native")
+    export_head(tmp_path / "native", tmp_path / "serving")
+    state = load_file(str(tmp_path / "serving" / "model.safetensors"))
+    assert state["fc.weight"].dtype == torch.bfloat16 and state["d2t"].dtype == torch.int64
+    cfg = json.loads((tmp_path / "serving" / "config.json").read_text())
+    assert cfg["torch_dtype"] == "bfloat16" and cfg["rope_scaling"] is None  # default rope: no scaling block
+    assert (tmp_path / "serving" / "model.safetensors").stat().st_mode & 0o044 == 0o044  # readable by a server
+
+
 def test_export_mismatched_target_refused(tmp_path):
     target = tiny_model("llama")
     export_head(tiny_head(target, "eagle3"), tmp_path / "serving")
