@@ -1,4 +1,4 @@
-"""Native head checkpoints (config.json + model.safetensors) and target compatibility checks."""
+"""Head checkpoints: save native folders, load native or exported serving folders, check the target."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def load_head(
     (then `target` supplies the target's layer count). With `target`: check compatibility, then attach
     its frozen modules (token embedding; for EAGLE-1 also the final norm and lm_head).
     """
-    from .export import head_config_from_serving, native_tensor_names
+    from .export import native_tensor_names, read_head_config
     from .model import DraftHead
 
     path = Path(path)
@@ -106,7 +106,7 @@ def load_head(
     if not (path / WEIGHTS_NAME).exists():
         raise FileNotFoundError(f"no {WEIGHTS_NAME} in {path}: not a draft-head folder")
     values = json.loads((path / CONFIG_NAME).read_text())
-    config = head_config_from_serving(values, target.config if target is not None else None)
+    config = read_head_config(values, target.config if target is not None else None)
     if target is not None:
         check_compatible(config, target.config, kind)
     elif kind is not None and config.kind != kind:

@@ -87,7 +87,7 @@ def serving_config(config: HeadConfig, dtype: torch.dtype) -> dict[str, Any]:
     return values
 
 
-def head_config_from_serving(values: dict[str, Any], target_config: Any | None = None) -> HeadConfig:
+def read_head_config(values: dict[str, Any], target_config: Any | None = None) -> HeadConfig:
     """A HeadConfig for a serving folder: from our "drafthead_config" key, else rebuilt from the Llama fields.
 
     A third-party folder does not record the target's layer count; it is taken from `target_config`.

@@ -103,16 +103,14 @@ def _check_native_agreement(cfg: dict[str, Any], kind: str) -> None:
     """Our own "drafthead_config" key (used by load_head) must say what the serving fields say."""
     native = cfg.get("drafthead_config")
     if native is not None:
-        pairs = [("hidden_size", "hidden_size"), ("vocab_size", "vocab_size"), ("intermediate_size", "intermediate_size")]
-        if kind == "eagle3":
-            pairs.append(("draft_vocab_size", "draft_vocab_size"))
-            if native.get("aux_layer_ids") != cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]:
-                raise ExportValidationError("drafthead_config.aux_layer_ids disagrees with eagle_config's aux ids")
-        for ours, theirs in pairs:
-            if native.get(ours) != cfg[theirs]:
+        keys = ["hidden_size", "intermediate_size", "vocab_size"] + (["draft_vocab_size"] if kind == "eagle3" else [])
+        for key in keys:
+            if native.get(key) != cfg[key]:
                 raise ExportValidationError(
-                    f"drafthead_config.{ours}={native.get(ours)} disagrees with config.json {theirs}={cfg[theirs]}"
+                    f"drafthead_config.{key}={native.get(key)} disagrees with config.json {key}={cfg[key]}"
                 )
+        if kind == "eagle3" and native.get("aux_layer_ids") != cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]:
+            raise ExportValidationError("drafthead_config.aux_layer_ids disagrees with eagle_config's aux ids")
 
 
 def _check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> None:

@@ -178,7 +178,8 @@ def test_save_load_identical_logits(target, kind, tmp_path):
     ids = random_ids(1, 8, head.config.vocab_size)
     feats = target_features(target, head, ids)
     pos = torch.arange(8)[None]
-    assert torch.equal(head.logits(head(ids, head.fuse(feats), pos)), loaded.logits(loaded(ids, loaded.fuse(feats), pos)))
+    expected = head.logits(head(ids, head.fuse(feats), pos))
+    assert torch.equal(loaded.logits(loaded(ids, loaded.fuse(feats), pos)), expected)
     if kind == "eagle3":
         assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.t2d, head.t2d)
     # the saved file holds only the head, never the borrowed target weights
