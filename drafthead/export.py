@@ -144,6 +144,13 @@ def write_serving_folder(head: DraftHead, folder: str | Path, fmt: str | None = 
     atomic_write_json(folder / CONFIG_NAME, serving_config(head.config, dtype))
 
 
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
 def export_head(src: str | Path | DraftHead, out: str | Path, fmt: str | None = None, force: bool = False) -> Path:
     """Export a native head folder (or a DraftHead) to `out`, validate it, and publish it atomically.
 
@@ -162,12 +169,12 @@ def export_head(src: str | Path | DraftHead, out: str | Path, fmt: str | None = 
     try:
         write_serving_folder(head, tmp, fmt)
         validate_export(tmp, head=head)
-        if out.exists():
+        if out.exists():  # --force: move the old one aside, publish, then delete the old one
             old = out.parent / f".{out.name}.old"
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
             out.rename(old)
             tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
         else:
             tmp.rename(out)
     finally:

@@ -17,6 +17,7 @@ from tiny import tiny_head, tiny_model
 from drafthead import HeadMismatchError, load_head
 from drafthead.export import export_head
 from drafthead.validate import ExportValidationError, validate_export
+from drafthead.vocab import build_draft_vocab
 
 REPO = Path(__file__).resolve().parent.parent
 LAYER = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -208,3 +209,25 @@ def test_cli_exports_and_refuses_overwrite(tmp_path, capsys):
     assert main([str(tmp_path / "native"), str(tmp_path / "out"), "--format", "eagle3"]) == 1
     assert "--force" in capsys.readouterr().err
     assert main([str(tmp_path / "native"), str(tmp_path / "out"), "--force"]) == 0
+
+
+@pytest.mark.real
+def test_export_smollm2_head_loads_on_the_real_target(smollm2, tmp_path):
+    """A SmolLM2-shaped EAGLE-3 head (draft vocab 32000) exports, validates and reloads against the real target."""
+    from drafthead import DraftHead, HeadConfig
+
+    config = HeadConfig.from_target_config(smollm2.config, kind="eagle3", draft_vocab_size=32000)
+    head = DraftHead(config).to(torch.bfloat16).attach_target(smollm2)
+    with pytest.raises(ExportValidationError, match="inconsistent with t2d"):
+        export_head(head, tmp_path / "serving")  # a fresh head's placeholder d2t/t2d do not describe a vocabulary
+    assert not (tmp_path / "serving").exists()
+    d2t, t2d = build_draft_vocab(torch.randint(0, 1000, (config.vocab_size,)), config.draft_vocab_size)
+    head.d2t.copy_(d2t)
+    head.t2d.copy_(t2d)
+    export_head(head, tmp_path / "serving")
+    cfg = json.loads((tmp_path / "serving" / "config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert (cfg["rope_theta"], cfg["max_position_embeddings"], cfg["target_hidden_size"]) == (100000.0, 8192, 576)
+    loaded = load_head(tmp_path / "serving", target=smollm2, kind="eagle3", dtype=torch.bfloat16)
+    assert torch.equal(logits_of(loaded.float()), logits_of(head.float()))
