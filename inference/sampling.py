@@ -36,15 +36,14 @@ class SamplingParams:
     ) -> "SamplingParams":
         """Explicit arguments win over `generation_config`; None falls back to generate's defaults.
 
-        Without do_sample (from either source), sampling is on iff temperature > 0 was given.
+        Without an explicit do_sample, sampling is on iff an explicit temperature > 0 was given, else it follows
+        generation_config.do_sample (off by default, as in generate).
         """
         gc = generation_config
+        if do_sample is None:
+            do_sample = temperature > 0 if temperature is not None else bool(getattr(gc, "do_sample", False))
         pick = lambda name, value: value if value is not None else getattr(gc, name, None)  # noqa: E731
         temperature, top_k, top_p = pick("temperature", temperature), pick("top_k", top_k), pick("top_p", top_p)
-        if do_sample is None:
-            do_sample = getattr(gc, "do_sample", None) if gc is not None else None
-        if do_sample is None:
-            do_sample = temperature is not None and temperature > 0
         if not do_sample:
             return cls(do_sample=False)
         temperature = HF_DEFAULTS["temperature"] if temperature is None else float(temperature)

@@ -1,0 +1,74 @@
+"""Explain a greedy divergence between speculative and plain decoding (bf16 benchmarks).
+
+In low precision the tree forward and the one-token decode forward add the same numbers in different orders,
+so their logits differ by a rounding error. Speculative greedy output may then leave plain greedy output only
+where the target's top-2 logits are (nearly) tied: within the bf16 spacing at that magnitude.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+
+def bf16_resolution(x: float) -> float:
+    """Spacing between adjacent bfloat16 numbers at |x| (8 significant bits: 2^(floor(log2|x|) - 7))."""
+    x = abs(float(x))
+    if x == 0.0:
+        return 2.0**-133  # smallest bf16 subnormal
+    return 2.0 ** (math.floor(math.log2(x)) - 7)
+
+
+def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """First index where two 1-D token sequences differ (a length difference counts), else None."""
+    a, b = a.reshape(-1), b.reshape(-1)
+    n = min(a.numel(), b.numel())
+    diff = (a[:n] != b[:n]).nonzero()
+    if diff.numel():
+        return int(diff[0, 0])
+    return None if a.numel() == b.numel() else n
+
+
+@dataclass
+class Divergence:
+    position: int  # index into the full sequence where the outputs first differ
+    spec_token: int
+    ref_token: int
+    spec_logit: float  # target logits at that position from a fresh forward over the common prefix
+    ref_logit: float
+    top2: tuple[int, int]  # the fresh forward's two best tokens
+    gap: float  # |spec_logit - ref_logit|
+    resolution: float  # bf16 spacing at max(|spec_logit|, |ref_logit|)
+    is_near_tie: bool  # both tokens are the top-2 and gap <= tolerance_ulps * resolution
+
+    @property
+    def gap_ulps(self) -> float:
+        return self.gap / self.resolution
+
+
+@torch.inference_mode()
+def explain_divergence(
+    target: nn.Module,
+    spec_sequence: torch.Tensor,  # (1, n) or (n,) prompt + speculative output
+    ref_sequence: torch.Tensor,  # (1, m) or (m,) prompt + plain greedy output
+    tolerance_ulps: float = 1.0,
+) -> Divergence | None:
+    """None when the sequences are equal (or one stops early on an equal prefix); otherwise the target's
+    logits at the first differing position, from one plain forward over the common prefix in the target's
+    own dtype, and whether the two chosen tokens are a near-tie of the top-2 logits."""
+    spec, ref = spec_sequence.reshape(-1), ref_sequence.reshape(-1)
+    pos = first_divergence(spec, ref)
+    if pos is None or pos >= min(spec.numel(), ref.numel()):
+        return None
+    device = next(target.parameters()).device
+    logits = target(ref[:pos].view(1, -1).to(device), logits_to_keep=1).logits[0, -1]  # (V,) model dtype
+    a, b = int(spec[pos]), int(ref[pos])
+    la, lb = float(logits[a]), float(logits[b])
+    top2 = tuple(int(i) for i in torch.topk(logits.float(), 2).indices)
+    res = bf16_resolution(max(abs(la), abs(lb)))
+    gap = abs(la - lb)
+    tie = {a, b} == set(top2) and gap <= tolerance_ulps * res
+    return Divergence(pos, a, b, la, lb, top2, gap, res, tie)

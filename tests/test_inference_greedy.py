@@ -1,0 +1,150 @@
+"""Greedy losslessness: speculative output == target.generate(do_sample=False), token for token."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import tiny_model
+
+from drafthead import DraftHead, HeadConfig, HeadMismatchError
+from drafthead.capture import decoder_layers
+from inference import SpeculativeGenerator, TreeOptions
+from inference.tree import TreeDrafter
+
+TREES = {
+    "chain": TreeOptions(depth=4, top_k=1, total_tokens=4),
+    "wide": TreeOptions(depth=2, top_k=8, total_tokens=16),
+    "deep": TreeOptions(depth=6, top_k=3, total_tokens=20),
+}
+MAX_NEW = 24
+torch.set_num_threads(1)  # tiny matmuls: OpenMP threads only contend on the shared 2-core machine
+
+
+def random_head(target, kind: str = "eagle3", seed: int = 1) -> DraftHead:
+    torch.manual_seed(seed)
+    aux = [1, 3, 6] if kind == "eagle3" else None
+    draft_vocab = 200 if kind == "eagle3" else None
+    head = DraftHead(HeadConfig.from_target_config(target.config, kind=kind, aux_layer_ids=aux,
+                                                   draft_vocab_size=draft_vocab))
+    if kind == "eagle3":  # a sparse draft vocabulary: every other target id from 3 on
+        chosen = torch.arange(3, 3 + 2 * 200, 2) % target.config.vocab_size
+        chosen = torch.sort(chosen).values
+        head.d2t.copy_(chosen - torch.arange(200))
+    return head
+
+
+def near_bigram_target(arch: str = "llama", eps: float = 2e-3, **overrides):
+    """A tiny target whose decoder layers barely touch the residual stream: next token ≈ g(current token)."""
+    model = tiny_model(arch, **overrides)
+    with torch.no_grad():
+        for layer in decoder_layers(model):
+            layer.self_attn.o_proj.weight.mul_(eps)
+            layer.mlp.down_proj.weight.mul_(eps)
+    return model
+
+
+def oracle_head(target) -> DraftHead:
+    """An EAGLE-1 head that drafts exactly the bigram part g of a near_bigram_target: h = embed(token)."""
+    head = DraftHead(HeadConfig.from_target_config(target.config, kind="eagle1"))
+    h = target.config.hidden_size
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, :h] = torch.eye(h)  # fc(concat[embed, hidden]) = embed
+        head.fc.bias.zero_()
+        head.midlayer.self_attn.o_proj.weight.zero_()
+        head.midlayer.mlp.down_proj.weight.zero_()
+    return head
+
+
+def prompts(n: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (1, int(torch.randint(1, 14, (1,), generator=g))), generator=g) for _ in range(n)]
+
+
+def assert_lossless(target, head, trees, n_prompts=20, max_new=MAX_NEW, every_tree=False):
+    """Each prompt against plain greedy decoding, with the tree shapes in turn (or all of them)."""
+    gens = {name: SpeculativeGenerator(target, head.attach_target(target), tree=opt) for name, opt in trees.items()}
+    names = list(gens)
+    for i, ids in enumerate(prompts(n_prompts, target.config.vocab_size)):
+        ref = target.generate(ids, do_sample=False, max_new_tokens=max_new)
+        for name in names if every_tree else [names[i % len(names)]]:
+            out = gens[name].generate(ids, max_new_tokens=max_new)
+            assert torch.equal(out.sequences, ref), f"tree {name}: prompt {ids.tolist()}"
+    return gens
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_greedy_matches_target_eagle3(arch):
+    target = tiny_model(arch)
+    assert_lossless(target, random_head(target, "eagle3"), TREES)
+
+
+def test_greedy_matches_target_eagle1():
+    target = tiny_model("qwen2", seed=3)
+    assert_lossless(target, random_head(target, "eagle1"), {"wide": TREES["wide"], "deep": TREES["deep"]})
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_multi_token_acceptance_is_exercised(arch):
+    """A draft that is usually right: long accepted paths (and some rejections) must still be exact."""
+    target = near_bigram_target(arch)
+    gens = assert_lossless(target, oracle_head(target), TREES, n_prompts=6, max_new=40, every_tree=True)
+    ids = prompts(1, target.config.vocab_size, seed=5)[0]
+    for name, gen in gens.items():
+        stats = gen.generate(ids, max_new_tokens=40).stats
+        assert max(stats.histogram) > 1 and stats.mean_accepted > 1.8, (name, stats.histogram)
+        if name == "chain":
+            assert max(stats.histogram) <= TREES["chain"].depth + 1
+    deep = gens["deep"].generate(ids, max_new_tokens=40).stats
+    assert deep.target_forwards < 40 / 1.8 + 1
+
+
+def test_tree_shape():
+    target = tiny_model("llama")
+    head = random_head(target).attach_target(target)
+    for opt in TREES.values():
+        drafter = TreeDrafter(head, opt)
+        with torch.inference_mode():
+            feats = torch.randn(1, 5, head.config.feature_size)
+            drafter.feed(feats, torch.randint(3, 320, (1, 5)), 0)
+            tree = drafter.draft(torch.tensor([7]))
+        n = tree.size
+        assert n == 1 + min(opt.total_tokens, opt.top_k + (opt.depth - 1) * opt.top_k**2)
+        assert len(drafter.cache) == 5  # the drafted nodes were cropped away
+        par, dep = tree.parents, tree.depths
+        assert par[0] == -1 and dep[0] == 0 and tree.tokens[0, 0] == 7
+        assert (par[1:] < torch.arange(1, n)).all() and (par[1:] >= 0).all()
+        assert torch.equal(dep[1:], dep[par[1:]] + 1) and int(dep.max()) <= opt.depth
+        assert torch.equal(tree.ancestors.sum(1), dep + 1)
+        for p in range(n):  # siblings carry distinct tokens
+            kids = tree.tokens[0, 1:][par[1:] == p]
+            assert kids.unique().numel() == kids.numel()
+        if opt.top_k == 1:
+            assert torch.equal(dep, torch.arange(n))
+
+
+def test_refuses_head_for_another_target():
+    target = tiny_model("llama")
+    other = tiny_model("llama", num_layers=6)
+    head = DraftHead(HeadConfig.from_target_config(other.config, aux_layer_ids=[1, 2, 3]))
+    with pytest.raises(HeadMismatchError):
+        SpeculativeGenerator.from_pretrained(target, head)
+
+
+HARD_CODED = re.compile(r"\.cuda\(|torch\.(float16|float32|bfloat16|half|float64)\b|\.half\(\)|\.bfloat16\(\)")
+ALLOWED = re.compile(r"(==|!=|\bis\b|\bin\b)\s*\(?torch\.|[\"']\w+[\"']\s*:\s*torch\.")  # comparisons, name maps
+
+
+def test_no_hard_coded_device_or_dtype():
+    root = Path(__file__).resolve().parent.parent
+    bad = []
+    for folder in ("inference", "drafthead"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                code = line.split("#")[0]
+                if HARD_CODED.search(code) and not ALLOWED.search(code):
+                    bad.append(f"{path.relative_to(root)}:{i}: {line.strip()}")
+    assert not bad, "hard-coded device/dtype:\n" + "\n".join(bad)
