@@ -203,6 +203,7 @@ class Trainer:
         self.head = acc.unwrap_model(self.model).head
         self.engine = type(self.model).__name__
         self._check_engine()
+        self.initial_param_sums = self.param_sums()
         self.lengths = self.train_set.lengths()
         self.total_steps = config.max_steps or sum(self._steps_in_epoch(e) for e in range(config.epochs))
 
@@ -323,13 +324,17 @@ class Trainer:
         acc.end_training()
         return final
 
+    def param_sums(self) -> dict[str, float]:
+        """Sum of every trainable head tensor (full, gathered under ZeRO-3). Collective."""
+        with gathered_params(self.head):
+            return {n: float(p.detach().double().sum()) for n, p in self.head.named_parameters() if p.requires_grad}
+
     def _write_rank_report(self, seen: list[list[int]]) -> None:
         """ranks/rank-<r>.json: engine, world size, the sequences this rank trained on, parameter checksums."""
         acc = self.accelerator
-        with gathered_params(self.head):
-            sums = {n: float(p.detach().double().sum()) for n, p in self.head.named_parameters() if p.requires_grad}
         report = {"rank": acc.process_index, "world_size": acc.num_processes, "engine": self.engine,
-                  "mixed_precision": acc.mixed_precision, "seen": seen, "param_sums": sums,
+                  "mixed_precision": acc.mixed_precision, "seen": seen, "param_sums": self.param_sums(),
+                  "initial_param_sums": self.initial_param_sums,
                   "config": asdict(self.config)}
         path = self.output_dir / "ranks" / f"rank-{acc.process_index}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
