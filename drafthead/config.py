@@ -26,11 +26,11 @@ def _rope_of(cfg: Any) -> tuple[float, dict | None]:
     if "full_attention" in params:  # per-layer-type rope (Gemma3): the full-attention layers' settings
         params = params["full_attention"]
     theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    if not params:  # transformers 4.x: rope_scaling holds only the scaling
+        params = dict(getattr(cfg, "rope_scaling", None) or {})
     scaling = None
-    if params.get("rope_type", "default") != "default":
+    if params.get("rope_type", params.get("type", "default")) != "default":
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    elif getattr(cfg, "rope_scaling", None):
-        scaling = dict(cfg.rope_scaling)
     return float(theta), scaling
 
 

@@ -97,7 +97,8 @@ class DraftHead(nn.Module):
             self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
             self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-            self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
+            # until a draft vocabulary is built: draft id i = target id i (consistent d2t / t2d)
+            self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size)
         else:
             self.target_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
             self.target_lm_head = nn.Linear(h, config.vocab_size, bias=False)
