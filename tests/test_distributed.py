@@ -54,7 +54,7 @@ def test_ranks_synchronise(tmp_path, stage, precision):
     for name, value in ranks[0]["param_sums"].items():
         assert abs(float(final[name].double().sum()) - value) <= 1e-3 * max(1.0, abs(value)), name
     log = read_log(out)
-    assert [r["step"] for r in log] == [1, 2, 3] and log[-1]["tau"] >= 1.0
+    assert [r["step"] for r in log] == [1, 2, 3] and log[-1]["eval_tau"] >= 1.0
 
 
 def _wait_then_kill(proc: subprocess.Popen, log: Path, step: int, timeout: float = 240) -> int:
@@ -102,5 +102,5 @@ def test_exact_resume_after_sigkill(tmp_path):
     log_a, log_b = read_log(tmp_path / "a" / "out"), read_log(out_b)
     assert [r["step"] for r in log_b] == list(range(1, 21))
     for ra, rb in zip(log_a, log_b):
-        for key in ("loss", "acc_0", "lr") + (("eval_loss", "tau") if "tau" in ra else ()):
+        for key in ("loss", "acc_0", "lr") + (("eval_loss", "eval_tau", "eval_acc_1") if "eval_tau" in ra else ()):
             assert rb[key] == pytest.approx(ra[key], rel=1e-6, abs=1e-7), (ra["step"], key)

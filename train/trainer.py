@@ -307,7 +307,8 @@ class Trainer:
                 record["grad_norm"] = float(grad_norm)
             done = step + 1
             if self.val_set is not None and (done % c.eval_every == 0 or done == self.total_steps):
-                record.update(evaluate(self.model, self.validation_batches(), lambda t: acc.reduce(t, "sum")))
+                metrics = evaluate(self.model, self.validation_batches(), lambda t: acc.reduce(t, "sum"))
+                record.update({k if k.startswith("eval_") else f"eval_{k}": v for k, v in metrics.items()})
                 self.model.train()
             log.write(record)
             progress.update(1)
