@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from conftest import REPO, save_tiny_target
 from tiny import tiny_model
-from train.collect import collect_split, length_batches
+from train.collect import collect_split, length_batches, shard_tokens
 from train.features import MANIFEST, FeatureDataset, shard_name
 
 
@@ -35,6 +35,11 @@ def test_length_batches():
     lengths = [5, 3, 9, 2, 7]
     assert all(len(b) * max(lengths[j] for j in b) <= 16 or len(b) == 1 for b in batches)
     assert batches[0] == [3, 1, 0]  # shortest first
+
+
+def test_shard_tokens_follow_the_selected_rows():
+    split = token_dataset(list(range(1, 11))).select([9, 8, 0, 1, 2])  # an indices mapping, as after a filter
+    assert [shard_tokens(split, i, 2) for i in range(4)] == [19, 3, 3, 0]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])

@@ -73,6 +73,14 @@ def forward_features(
         yield aux[b, : len(ids)], last[b, : len(ids)]
 
 
+def shard_tokens(split: Any, index: int, shard_sequences: int) -> int:
+    """Token count of shard `index`, read from the arrow list lengths (no Python lists of ids)."""
+    import pyarrow.compute as pc
+
+    rows = split.with_format("arrow")[index * shard_sequences : (index + 1) * shard_sequences]
+    return int(pc.sum(pc.list_value_length(rows["input_ids"])).as_py() or 0)
+
+
 @contextmanager
 def manifest_lock(folder: Path):
     """Exclusive file lock, so ranks sharing a features folder update the manifest one at a time."""
@@ -113,8 +121,7 @@ def collect_split(
     for i in mine:  # temp files a killed run left behind (only this rank's shards: others may be writing)
         for stale in folder.glob(f".{shard_name(i)}.*.tmp"):
             stale.unlink(missing_ok=True)
-    lengths = [len(x) for x in split["input_ids"]] if mine else []
-    total = sum(sum(lengths[i * shard_sequences : (i + 1) * shard_sequences]) for i in mine)
+    total = sum(shard_tokens(split, i, shard_sequences) for i in mine)
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"{desc} rank {rank}", disable=total == 0)
     for i in mine:
         rows = split[i * shard_sequences : (i + 1) * shard_sequences]
