@@ -335,11 +335,17 @@ class Trainer:
         acc = self.accelerator
         report = {"rank": acc.process_index, "world_size": acc.num_processes, "engine": self.engine,
                   "mixed_precision": acc.mixed_precision, "seen": seen, "param_sums": self.param_sums(),
-                  "initial_param_sums": self.initial_param_sums,
+                  "initial_param_sums": self.initial_param_sums, "peak_rss_mb": _peak_rss_mb(),
                   "config": asdict(self.config)}
         path = self.output_dir / "ranks" / f"rank-{acc.process_index}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report) + "\n")
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def _progress(total: int, initial: int, enabled: bool):
