@@ -1,0 +1,52 @@
+"""The real SmolLM2-135M-Instruct target (fp32) with an untrained head: output == plain greedy decoding."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafthead import DraftHead, HeadConfig
+from inference import SpeculativeGenerator
+
+torch.set_num_threads(1)
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+
+
+@pytest.fixture(scope="module")
+def head_dir(smollm2, tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    head = DraftHead(HeadConfig.from_target_config(smollm2.config, draft_vocab_size=4096))  # d2t = identity
+    path = tmp_path_factory.mktemp("head")
+    head.save_pretrained(path)
+    return path
+
+
+@pytest.mark.real
+def test_smollm2_greedy_lossless(smollm2, smollm2_path, head_dir):
+    gen = SpeculativeGenerator.from_pretrained(smollm2, head_dir, tree="cpu")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    for prompt in PROMPTS:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+        ref = smollm2.generate(ids, do_sample=False, max_new_tokens=32)
+        out = gen.generate(ids, max_new_tokens=32)
+        assert torch.equal(out.sequences, ref), (prompt, tok.decode(out.sequences[0]), tok.decode(ref[0]))
+        assert out.stats.target_forwards >= 2 and out.stats.new_tokens == ref.shape[1] - ids.shape[1]
+
+
+@pytest.mark.real
+def test_cli_streams(smollm2_path, head_dir):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "inference.generate", "--target", str(smollm2_path), "--draft", str(head_dir),
+           "--prompt", "Say hello.", "--chat", "--max-new-tokens", "12", "--dtype", "float32", "--threads", "1"]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() and "tau" in run.stderr and "tok/s" in run.stderr
