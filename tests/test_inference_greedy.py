@@ -148,3 +148,24 @@ def test_no_hard_coded_device_or_dtype():
                 if HARD_CODED.search(code) and not ALLOWED.search(code):
                     bad.append(f"{path.relative_to(root)}:{i}: {line.strip()}")
     assert not bad, "hard-coded device/dtype:\n" + "\n".join(bad)
+
+
+def test_explain_divergence():
+    from inference.ties import bf16_resolution, explain_divergence, first_divergence
+
+    assert bf16_resolution(1.0) == 2**-7 and bf16_resolution(-20.0) == 2**-3 and bf16_resolution(255.0) == 1.0
+    target = tiny_model("llama")
+    ids = prompts(1, 320, seed=9)[0]
+    ref = target.generate(ids, do_sample=False, max_new_tokens=6)
+    assert explain_divergence(target, ref, ref) is None
+    pos = ids.shape[1] + 2
+    with torch.inference_mode():
+        logits = target(ref[:, :pos]).logits[0, -1]
+    second = int(torch.topk(logits, 2).indices[1])
+    other = ref.clone()
+    other[0, pos] = second
+    assert first_divergence(other, ref) == pos
+    d = explain_divergence(target, other, ref, tolerance_ulps=1e9)
+    assert d.position == pos and d.top2 == (int(ref[0, pos]), second) and d.is_near_tie
+    assert d.gap == pytest.approx(float(logits[ref[0, pos]] - logits[second]), abs=1e-4)
+    assert not explain_divergence(target, other, ref).is_near_tie  # fp32 random logits: a real gap
