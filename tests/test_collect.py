@@ -138,3 +138,4 @@ def test_killed_run_resumes_to_identical_shards(tmp_path):
         a, b = load_file(str(folder / shard["file"])), load_file(str(reference / shard["file"]))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert len(FeatureDataset(folder / "validation")) == 2  # the validation split is collected too
+    assert resumed["target"] == "target" and resumed["target_dtype"] == "float32" and resumed["hidden_size"] == 64
