@@ -39,10 +39,10 @@ class Divergence:
     ref_token: int
     spec_logit: float  # target logits at that position from a fresh forward over the common prefix
     ref_logit: float
-    top2: tuple[int, int]  # the fresh forward's two best tokens
+    top2: tuple[int, int]  # the fresh forward's two best tokens (ties broken arbitrarily)
     gap: float  # |spec_logit - ref_logit|
-    resolution: float  # bf16 spacing at max(|spec_logit|, |ref_logit|)
-    is_near_tie: bool  # both tokens are the top-2 and gap <= tolerance_ulps * resolution
+    resolution: float  # bf16 spacing at the top logit's magnitude
+    is_near_tie: bool  # both tokens within tolerance_ulps * resolution of the top logit
 
     @property
     def gap_ulps(self) -> float:
@@ -58,7 +58,8 @@ def explain_divergence(
 ) -> Divergence | None:
     """None when the sequences are equal (or one stops early on an equal prefix); otherwise the target's
     logits at the first differing position, from one plain forward over the common prefix in the target's
-    own dtype, and whether the two chosen tokens are a near-tie of the top-2 logits."""
+    own dtype, and whether the two chosen tokens are a near-tie for the top logit (three-way ties included).
+    In bf16 the logits themselves are bf16 numbers, so tolerance_ulps=1 means "equal or adjacent"."""
     spec, ref = spec_sequence.reshape(-1), ref_sequence.reshape(-1)
     pos = first_divergence(spec, ref)
     if pos is None or pos >= min(spec.numel(), ref.numel()):
@@ -67,8 +68,10 @@ def explain_divergence(
     logits = target(ref[:pos].view(1, -1).to(device), logits_to_keep=1).logits[0, -1]  # (V,) model dtype
     a, b = int(spec[pos]), int(ref[pos])
     la, lb = float(logits[a]), float(logits[b])
-    top2 = tuple(int(i) for i in torch.topk(logits.float(), 2).indices)
-    res = bf16_resolution(max(abs(la), abs(lb)))
+    top = torch.topk(logits.float(), 2)
+    top2 = tuple(int(i) for i in top.indices)
+    best = float(top.values[0])
+    res = bf16_resolution(best)
     gap = abs(la - lb)
-    tie = {a, b} == set(top2) and gap <= tolerance_ulps * res
+    tie = best - min(la, lb) <= tolerance_ulps * res  # both chosen tokens are (nearly) tied for the top
     return Divergence(pos, a, b, la, lb, top2, gap, res, tie)
