@@ -224,7 +224,7 @@ class Trainer:
 
     def _rank_epoch(self, epoch: int, lengths: list[int] | None = None, seed: int | None = None) -> list[list[int]]:
         c, acc = self.config, self.accelerator
-        batches = epoch_batches(lengths or self.lengths, c.seed if seed is None else seed, epoch,
+        batches = epoch_batches(self.lengths if lengths is None else lengths, c.seed if seed is None else seed, epoch,
                                 c.batch_size, c.batch_tokens if not c.batch_size else None, c.max_length)
         return rank_batches(batches, acc.process_index, acc.num_processes)
 

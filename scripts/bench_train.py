@@ -1,0 +1,116 @@
+"""Training throughput (tokens/s) and peak memory (RSS) of the default recipe's head, 1 and 2 CPU processes.
+
+    python scripts/bench_train.py --out runs/bench_train.json [--seq-len 1024 --steps 4 --sequences 8]
+
+Uses the real target (SmolLM2-135M-Instruct, for the head's shape, embedding and output layer) and a small
+SYNTHETIC feature folder (random bf16 hidden states of the right widths, random tokens), so it measures the
+trainer's cost, not learning. Every run: EAGLE-3, draft vocab and max_length from the recipe, ttt_steps from
+the recipe, bf16, batch_size 1 (one sequence of --seq-len tokens per micro-batch and rank), grad_accum 1.
+The 2-process run is DeepSpeed ZeRO-2 through accelerate on gloo. tokens/s is the median over the steps after
+the first (all ranks together); peak RSS is the largest rank's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+TCMALLOC = [Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
+            Path("/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4")]
+
+
+def synthetic_features(folder: Path, target_path: str, aux: list[int], hidden: int, vocab: int, n: int,
+                       seq_len: int) -> None:
+    from train.features import FeatureWriter, Sequence
+    from train.target import target_config_hash
+
+    gen = torch.Generator().manual_seed(0)
+    writer = FeatureWriter(folder, {"target": Path(target_path).name, "aux_layer_ids": aux,
+                                    "target_config_hash": target_config_hash(target_path),
+                                    "shard_sequences": n, "num_sequences_planned": n})
+    seqs = [Sequence(torch.randint(0, vocab, (seq_len,), generator=gen), torch.ones(seq_len, dtype=torch.bool),
+                     torch.randn(seq_len, len(aux) * hidden, generator=gen).to(torch.bfloat16),
+                     torch.randn(seq_len, hidden, generator=gen).to(torch.bfloat16)) for _ in range(n)]
+    writer.write_shard(0, seqs)
+
+
+def run(cmd: list[str], env: dict) -> None:
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+def measure(output_dir: Path) -> dict:
+    log = [json.loads(line) for line in (output_dir / "log.jsonl").read_text().splitlines() if line.strip()]
+    ranks = [json.loads(p.read_text()) for p in sorted((output_dir / "ranks").glob("rank-*.json"))]
+    rates = [r["tokens_per_s"] for r in log[1:]] or [log[0]["tokens_per_s"]]
+    return {"tokens_per_s": statistics.median(rates), "tokens_per_step": log[-1]["tokens"],
+            "seconds_per_step": log[-1]["tokens"] / statistics.median(rates),
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks), "engine": ranks[0]["engine"],
+            "world_size": ranks[0]["world_size"], "losses": [r["loss"] for r in log]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default=str(REPO / "configs" / "smollm2-135m-eagle3.yaml"))
+    parser.add_argument("--out", default="runs/bench_train.json")
+    parser.add_argument("--seq-len", type=int, default=None, help="default: the recipe's train.max_length")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--sequences", type=int, default=8)
+    parser.add_argument("--processes", default="1,2")
+    args = parser.parse_args()
+
+    sys.path.insert(0, str(REPO))
+    from drafthead.config import default_aux_layer_ids
+    from train.recipe import load_recipe
+    from transformers import AutoConfig
+
+    recipe = load_recipe(args.recipe)
+    cfg = AutoConfig.from_pretrained(recipe["target"]).get_text_config()
+    aux = recipe["head"].get("aux_layer_ids") or default_aux_layer_ids(cfg.num_hidden_layers)
+    seq_len = args.seq_len or recipe["train"]["max_length"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
+    for key in ("ACCELERATE_USE_CPU", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(key, None)
+    tcmalloc = next((p for p in TCMALLOC if p.exists()), None)
+    if tcmalloc:
+        env["LD_PRELOAD"] = str(tcmalloc)
+    results = {"target": recipe["target"], "seq_len": seq_len, "steps": args.steps,
+               "draft_vocab_size": recipe["head"]["draft_vocab_size"], "ttt_steps": recipe["train"]["ttt_steps"],
+               "mixed_precision": "bf16", "cpu_count": os.cpu_count(), "tcmalloc": bool(tcmalloc), "runs": {}}
+    with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
+        tmp = Path(tmp)
+        synthetic_features(tmp / "features", recipe["target"], aux, cfg.hidden_size, cfg.vocab_size,
+                           args.sequences, seq_len)
+        for nproc in [int(p) for p in args.processes.split(",")]:
+            out = tmp / f"out{nproc}"
+            overrides = [f"features.dir={tmp / 'features'}", f"train.output_dir={out}", f"train.max_steps={args.steps}",
+                         "train.batch_size=1", "train.grad_accum=1", "train.mixed_precision=bf16",
+                         f"train.max_length={seq_len}", "train.save_every=1000000", "train.eval_every=1000000",
+                         "train.warmup_steps=1"]
+            if nproc == 1:
+                cmd = [sys.executable, "-m", "train", args.recipe, *overrides]
+            else:
+                cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+                       "configs/accelerate/cpu_zero2.yaml", "--num_processes", str(nproc), "-m", "train",
+                       args.recipe, *overrides]
+            run(cmd, {**env, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))})
+            results["runs"][f"{nproc}proc"] = measure(out)
+            print(json.dumps({f"{nproc}proc": results["runs"][f"{nproc}proc"]}), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
