@@ -112,7 +112,8 @@ def test_prepare_end_to_end(tmp_path, tiny_target_dir):
 
     # re-running replaces the folder atomically; max_conversations takes the first N
     stats = prepare(recipe(tiny_target_dir, path, out, max_conversations=4))
-    assert stats["kept"] == 4 and len(load_from_disk(str(out))["train"]) + len(load_from_disk(str(out))["validation"]) == 4
+    again = load_from_disk(str(out))
+    assert stats["kept"] == 4 and len(again["train"]) + len(again["validation"]) == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["convs.jsonl", "prepared"]
 
 

@@ -60,7 +60,7 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
 def forward_features(
     model: Any, batch: list[list[int]], aux_layer_ids: list[int], last_layer_id: int, device: torch.device
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """One forward over right-padded `batch`; yields per sequence (aux_hidden (T, k·H), last_hidden (T, H)) in bf16 on CPU."""
+    """One forward over right-padded `batch`; per sequence yields (aux_hidden (T, k·H), last_hidden (T, H)), bf16, CPU."""
     longest = max(len(ids) for ids in batch)
     input_ids = torch.zeros(len(batch), longest, dtype=torch.long)  # (B, T), pad id 0: never attended (causal)
     for b, ids in enumerate(batch):
@@ -130,8 +130,8 @@ def collect_split(
         for batch in length_batches([len(x) for x in ids], batch_tokens):
             feats = forward_features(model, [ids[j] for j in batch], aux_layer_ids, last_layer_id, device)
             for j, (aux, last) in zip(batch, feats):
-                out[j] = Sequence(torch.as_tensor(ids[j], dtype=torch.int32), torch.as_tensor(masks[j], dtype=torch.bool),
-                                  aux, last)
+                out[j] = Sequence(torch.as_tensor(ids[j], dtype=torch.int32),
+                                  torch.as_tensor(masks[j], dtype=torch.bool), aux, last)
                 bar.update(len(ids[j]))
         with manifest_lock(folder):
             _reload(writer)
@@ -159,7 +159,8 @@ def collect(recipe: dict) -> dict:
     aux = (recipe.get("head") or {}).get("aux_layer_ids") or default_aux_layer_ids(num_layers)
     header = {"target": target_name(recipe["target"]), "target_config_hash": target_config_hash(recipe["target"]),
               "hidden_size": int(model.config.get_text_config().hidden_size), "target_dtype": str(dtype)}
-    folders = {"train": feats["dir"], "validation": feats.get("validation_dir") or os.path.join(feats["dir"], "validation")}
+    validation_dir = feats.get("validation_dir") or os.path.join(feats["dir"], "validation")
+    folders = {"train": feats["dir"], "validation": validation_dir}
     results = {}
     for name in feats.get("splits") or ["train", "validation"]:
         if name not in data:

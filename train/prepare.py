@@ -134,7 +134,8 @@ def prepare(recipe: dict) -> dict:
         stats[f"{name}_masked_tokens"] = masked
     total = stats["train_tokens"] + stats["validation_tokens"]
     result = dict(sorted(stats.items()))
-    result["masked_fraction"] = round((stats["train_masked_tokens"] + stats["validation_masked_tokens"]) / max(total, 1), 4)
+    masked = stats["train_masked_tokens"] + stats["validation_masked_tokens"]
+    result["masked_fraction"] = round(masked / max(total, 1), 4)
     print(f"prepared {data_cfg['prepared_dir']}:")
     for key, value in result.items():
         print(f"  {key}: {value}")
