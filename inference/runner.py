@@ -71,12 +71,15 @@ class TargetRunner:
         positions = (depths + past).unsqueeze(0)  # (1, n)
         return self._forward(tokens, positions, mask)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def commit(self, keep: torch.Tensor, tree_size: int) -> None:
         """Keep the tree positions `keep` (indices into the last verified tree, in order); drop the rest."""
         past = self.length - tree_size
+        m = keep.shape[0]
         keep = keep.to(self.device) + past
         for layer in self.cache.layers:
-            # layer.keys / layer.values: (B, kv_heads, S, head_dim)
-            layer.keys = torch.cat([layer.keys[:, :, :past], layer.keys.index_select(2, keep)], dim=2)
-            layer.values = torch.cat([layer.values[:, :, :past], layer.values.index_select(2, keep)], dim=2)
+            # layer.keys / layer.values: (B, kv_heads, S, head_dim); gather first (a copy), then write in place
+            layer.keys[:, :, past : past + m] = layer.keys.index_select(2, keep)
+            layer.values[:, :, past : past + m] = layer.values.index_select(2, keep)
+            layer.keys = layer.keys[:, :, : past + m]
+            layer.values = layer.values[:, :, : past + m]

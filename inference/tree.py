@@ -122,6 +122,7 @@ class TreeDrafter:
         cand_depths = [torch.ones(k, dtype=torch.long, device=device)]
         frontier = torch.arange(k, device=device)  # candidate ids of the nodes to expand
         frontier_scores = scores[0]  # (k,)
+        frontier_tokens = tokens[0]  # (k,)
         parent_hidden = self.last_hidden.expand(1, k, -1)  # (1, k, H)
         parent_fed = None  # (k,) index of each frontier node's parent among fed nodes (None at depth 1)
         fed_allowed = torch.zeros(0, 0, dtype=torch.bool, device=device)  # (f, f) ancestry among fed nodes
@@ -136,8 +137,7 @@ class TreeDrafter:
                                      rows], dim=0)
             allowed = torch.cat([torch.ones(k, stable, dtype=torch.bool, device=device), rows], dim=1)
             positions = torch.full((1, k), stable - 1 + d, dtype=torch.long, device=device)
-            node_tokens = torch.cat(cand_tokens)[frontier].unsqueeze(0)  # (1, k)
-            out = self.head(node_tokens, parent_hidden, positions, to_additive(allowed, self.dtype), self.cache)
+            out = self.head(frontier_tokens.unsqueeze(0), parent_hidden, positions, to_additive(allowed, self.dtype), self.cache)
             logp, child_tokens = self._topk_logp(out[0], k)  # (k, k)
             child_scores = (frontier_scores[:, None] + logp).flatten()  # (k·k,)
             cand_scores.append(child_scores)
@@ -148,6 +148,7 @@ class TreeDrafter:
             owner = best // logp.shape[1]  # which fed node is each new frontier node's parent
             frontier = num_cands + best
             frontier_scores = child_scores[best]
+            frontier_tokens = cand_tokens[-1][best]
             parent_hidden = out[:, owner]
             parent_fed = f + owner
             num_cands += child_scores.shape[0]
