@@ -197,7 +197,10 @@ class SpeculativeGenerator:
         stopper = _Stopper(eos, stop, tokenizer or self.tokenizer, max_new_tokens)
         if generator is None and seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
-        input_ids = torch.as_tensor(input_ids).view(1, -1).to(self.device)
+        input_ids = torch.as_tensor(input_ids)
+        if input_ids.dim() > 2 or (input_ids.dim() == 2 and input_ids.shape[0] != 1):
+            raise ValueError(f"one prompt at a time: input_ids must be (1, T) or (T,), got {tuple(input_ids.shape)}")
+        input_ids = input_ids.view(1, -1).to(self.device)
         stats = GenerationStats()
 
         def pick(logits: torch.Tensor) -> torch.Tensor:  # (1, V) -> (1,)
