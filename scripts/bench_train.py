@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--sequences", type=int, default=8)
     parser.add_argument("--processes", default="1,2")
+    parser.add_argument("--precision", default="bf16", help="bf16 | fp32 (CPUs without native bf16: fp32 is faster)")
     args = parser.parse_args()
 
     sys.path.insert(0, str(REPO))
@@ -87,7 +88,7 @@ def main() -> None:
         env["LD_PRELOAD"] = str(tcmalloc)
     results = {"target": recipe["target"], "seq_len": seq_len, "steps": args.steps,
                "draft_vocab_size": recipe["head"]["draft_vocab_size"], "ttt_steps": recipe["train"]["ttt_steps"],
-               "mixed_precision": "bf16", "cpu_count": os.cpu_count(), "tcmalloc": bool(tcmalloc), "runs": {}}
+               "mixed_precision": args.precision, "cpu_count": os.cpu_count(), "tcmalloc": bool(tcmalloc), "runs": {}}
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
         tmp = Path(tmp)
         synthetic_features(tmp / "features", recipe["target"], aux, cfg.hidden_size, cfg.vocab_size,
@@ -95,7 +96,7 @@ def main() -> None:
         for nproc in [int(p) for p in args.processes.split(",")]:
             out = tmp / f"out{nproc}"
             overrides = [f"features.dir={tmp / 'features'}", f"train.output_dir={out}", f"train.max_steps={args.steps}",
-                         "train.batch_size=1", "train.grad_accum=1", "train.mixed_precision=bf16",
+                         "train.batch_size=1", "train.grad_accum=1", f"train.mixed_precision={args.precision}",
                          f"train.max_length={seq_len}", "train.save_every=1000000", "train.eval_every=1000000",
                          "train.warmup_steps=1"]
             if nproc == 1:
