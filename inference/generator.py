@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -24,7 +24,7 @@ from drafthead import DraftHead, check_compatible, load_head
 
 from .runner import TargetRunner
 from .sampling import SamplingParams, target_probs
-from .tree import TreeDrafter, TreeOptions, tree_options
+from .tree import DraftTree, TreeDrafter, TreeOptions, tree_options
 from .verify import children_lists, verify_greedy, verify_sampling
 
 
@@ -177,6 +177,7 @@ class SpeculativeGenerator:
         seed: int | None = None,
         generator: torch.Generator | None = None,
         tokenizer: Any = None,
+        on_step: Callable[[DraftTree, torch.Tensor], None] | None = None,
     ) -> GenerationOutput:
         """Speculative generation for one prompt (1, T). Arguments as in transformers' generate; explicit
         arguments win over `generation_config`. Greedy unless sampling is asked for (temperature > 0 or
@@ -241,6 +242,8 @@ class SpeculativeGenerator:
             else:
                 path, new_tokens = verify_greedy(logits[0], tree)
             runner.commit(path, tree.size)
+            if on_step is not None:  # e.g. tree-budget calibration: the verified tree and its accepted path
+                on_step(tree, path)
             batch = new_tokens.tolist()
             stats.target_forwards += 1
             stats.accept_lengths.append(len(batch))

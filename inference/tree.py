@@ -60,6 +60,7 @@ class DraftTree:
     parents: torch.Tensor  # (n,) parent index, -1 for the root
     depths: torch.Tensor  # (n,) root 0
     ancestors: torch.Tensor  # (n, n) bool: j is i or an ancestor of i
+    scores: torch.Tensor | None = None  # (n,) cumulative draft log-prob (root 0), for budget calibration
 
     @property
     def size(self) -> int:
@@ -67,7 +68,7 @@ class DraftTree:
 
     @staticmethod
     def build(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
-              max_depth: int | None = None) -> "DraftTree":
+              max_depth: int | None = None, scores: torch.Tensor | None = None) -> "DraftTree":
         """Tree from tokens (1, n), parents (n,) (-1 at the root), depths (n,) and an upper bound on the depth."""
         n = parents.shape[0]
         eye = torch.eye(n, dtype=torch.bool, device=parents.device)
@@ -75,7 +76,7 @@ class DraftTree:
         anc = eye
         for _ in range(int(depths.max()) if max_depth is None else max_depth):  # anc_{k+1}[i] = {i} | anc_k[parent(i)]
             anc = eye | anc[up]
-        return DraftTree(tokens, parents, depths, anc)
+        return DraftTree(tokens, parents, depths, anc, scores)
 
 
 class TreeDrafter:
@@ -171,4 +172,5 @@ class TreeDrafter:
             torch.cat([minus1, tree_parents]),
             torch.cat([torch.zeros(1, dtype=torch.long, device=scores.device), depths[chosen]]),
             max_depth=self.opt.depth,
+            scores=torch.cat([torch.zeros(1, dtype=scores.dtype, device=scores.device), scores[chosen]]),
         )

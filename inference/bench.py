@@ -1,0 +1,305 @@
+"""Benchmark speculative decoding against plain `generate` and prompt-lookup decoding, in one run.
+
+    python -m inference.bench --target PATH --draft PATH --prompts mt_bench [--temperature 0] [--tree auto]
+        [--compare-tree gpu] [--num-prompts 80] [--max-new-tokens 128] [--dtype bfloat16] --out bench.json
+
+Spec-Bench conventions: batch 1, the target's chat template, warm-up runs, wall time of the whole generate call
+(prefill included), tokens/s per prompt. Methods run interleaved prompt by prompt, so drift hits all alike.
+speedup = mean tokens/s of a method / mean tokens/s of plain transformers `generate` on the same prompts.
+Greedy outputs are compared token by token with plain decoding; a divergence is a "near tie" when the target's
+top-2 logits at that step differ by less than the dtype's resolution (bf16 rounding), otherwise a real mismatch.
+Writes JSON (and a PNG plot with --plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .generator import SpeculativeGenerator
+from .hardware import resolve_dtype
+from .ties import explain_divergence
+from .tree import tree_options
+
+
+def load_prompts(spec: str, limit: int | None) -> list[str]:
+    """'mt_bench' (first turns from the asset cache) or a JSONL file with `turns`, `prompt` or `messages`."""
+    if spec == "mt_bench":
+        cache = Path(os.environ.get("DRAFTHEAD_CACHE", Path.home() / ".cache" / "drafthead")).expanduser()
+        path = cache / "data" / "mt_bench.jsonl"
+        if not path.exists():
+            raise SystemExit(f"{path} missing: run `python scripts/fetch_assets.py`")
+    else:
+        path = Path(spec)
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"{path}:{n}: not valid JSON ({e})")
+        if "turns" in row:
+            prompts.append(row["turns"][0])
+        elif "prompt" in row:
+            prompts.append(row["prompt"])
+        elif "messages" in row:
+            prompts.append(next(m["content"] for m in row["messages"] if m["role"] == "user"))
+        else:
+            raise SystemExit(f"{path}:{n}: expected a 'turns', 'prompt' or 'messages' field")
+    return prompts[:limit] if limit else prompts
+
+
+def chat_ids(tokenizer: Any, prompt: str, device: torch.device) -> torch.Tensor:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
+
+
+def timed(fn) -> tuple[Any, float]:
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+class Method:
+    """One decoding method: a callable (input_ids) -> (new token list, stats dict | None)."""
+
+    def __init__(self, name: str, run):
+        self.name, self.run = name, run
+        self.rows: list[dict] = []
+
+
+def plain_method(model, max_new_tokens: int, eos, **extra) -> Any:
+    def run(ids):
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                             pad_token_id=eos[0] if isinstance(eos, list) else eos, **extra)
+        return out[0, ids.shape[1]:].tolist(), None
+
+    return run
+
+
+def spec_method(gen: SpeculativeGenerator, max_new_tokens: int, temperature: float, eos, seed: int) -> Any:
+    def run(ids):
+        out = gen.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=eos,
+                           seed=seed if temperature > 0 else None)
+        return out.sequences[0, ids.shape[1]:].tolist(), out.stats
+
+    return run
+
+
+def summarise(method: Method, plain_tps: float | None, depth: int | None) -> dict:
+    rows = method.rows
+    tps = [r["tokens_per_s"] for r in rows]
+    summary = {
+        "tokens_per_s": statistics.fmean(tps),
+        "tokens_per_s_median": statistics.median(tps),
+        "new_tokens": sum(r["new_tokens"] for r in rows),
+        "wall_s": sum(r["wall_s"] for r in rows),
+    }
+    if plain_tps:
+        summary["speedup"] = summary["tokens_per_s"] / plain_tps
+    stats = [r["stats"] for r in rows if r.get("stats")]
+    if stats:
+        lengths = [n for s in stats for n in s["accept_lengths"]]
+        steps = max(len(lengths), 1)
+        summary["tau"] = sum(lengths) / steps
+        hist: dict[int, int] = {}
+        for n in lengths:
+            hist[n] = hist.get(n, 0) + 1
+        summary["accept_histogram"] = dict(sorted(hist.items()))
+        # acceptance by depth: share of steps whose accepted draft (bonus excluded) reaches depth d
+        summary["acceptance_by_depth"] = [sum(n - 1 >= d for n in lengths) / steps for d in range(1, (depth or 0) + 1)]
+        draft_s = sum(s["draft_time_s"] for s in stats)
+        verify_s = sum(s["verify_time_s"] for s in stats)
+        total_s = sum(s["total_time_s"] for s in stats)
+        summary["ms_per_step"] = {
+            "draft": 1000 * draft_s / steps,
+            "verify": 1000 * verify_s / steps,
+            "overhead": 1000 * (total_s - draft_s - verify_s) / steps,
+        }
+    return summary
+
+
+def run_bench(args: argparse.Namespace) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
+    eos = model.generation_config.eos_token_id
+    prompts = load_prompts(args.prompts, args.num_prompts)
+    inputs = [chat_ids(tokenizer, p, device) for p in prompts]
+
+    base = SpeculativeGenerator.from_pretrained(model, args.draft, tokenizer=tokenizer)
+    head = base.head
+    tree_info: dict[str, Any] = {}
+    if args.tree == "auto":
+        from .budget import auto_tree
+
+        calib = [chat_ids(tokenizer, p, device) for p in load_prompts("mt_bench", None)[-args.calibration_prompts:]] \
+            if args.prompts == "mt_bench" else inputs[: args.calibration_prompts]
+        options, report = auto_tree(model, head, calib, max_new_tokens=args.calibration_tokens)
+        tree_info["auto"] = report
+    else:
+        options = tree_options(args.tree)
+    tree_info["chosen"] = vars(options) if not hasattr(options, "__dataclass_fields__") else {
+        k: getattr(options, k) for k in options.__dataclass_fields__}
+
+    methods = [Method("plain", plain_method(model, args.max_new_tokens, eos))]
+    if not args.no_pld:
+        methods.append(Method("prompt_lookup", plain_method(model, args.max_new_tokens, eos,
+                                                            prompt_lookup_num_tokens=args.pld_tokens)))
+    spec = SpeculativeGenerator(model, head, tokenizer, tree=options)
+    methods.append(Method(f"speculative_{args.tree}", spec_method(spec, args.max_new_tokens, args.temperature, eos,
+                                                                  args.seed)))
+    compare = [t for t in (args.compare_tree or []) if t != args.tree]
+    for name in compare:
+        gen = SpeculativeGenerator(model, head, tokenizer, tree=name)
+        methods.append(Method(f"speculative_{name}", spec_method(gen, args.max_new_tokens, args.temperature, eos,
+                                                                 args.seed)))
+
+    for _ in range(args.warmup):  # warm-up: allocator, kernels, caches
+        for m in methods:
+            m.run(inputs[0][:, :64])
+    from tqdm import tqdm
+
+    mismatches = []
+    for i, ids in enumerate(tqdm(inputs, desc="bench", unit="prompt")):
+        plain_tokens = None
+        for m in methods:
+            (tokens, stats), wall = timed(lambda: m.run(ids))
+            row = {"prompt": i, "new_tokens": len(tokens), "wall_s": wall, "tokens_per_s": len(tokens) / wall}
+            if stats is not None:
+                row["stats"] = stats.to_dict()
+            if m.name == "plain":
+                plain_tokens = tokens
+            elif args.temperature == 0:
+                row["greedy_match"] = tokens == plain_tokens
+                if tokens != plain_tokens:
+                    prompt_ids = ids[0].tolist()
+                    div = explain_divergence(model, torch.tensor(prompt_ids + tokens),
+                                             torch.tensor(prompt_ids + plain_tokens))
+                    if div is not None:  # None: one output stopped early on an equal prefix
+                        mismatches.append({"method": m.name, "prompt": i, **dataclasses.asdict(div)})
+            m.rows.append(row)
+
+    plain_tps = statistics.fmean(r["tokens_per_s"] for r in methods[0].rows)
+    summaries = {m.name: summarise(m, plain_tps, options.depth if m.name == f"speculative_{args.tree}" else None)
+                 for m in methods}
+    for name in compare:
+        summaries[f"speculative_{name}"] = summarise(
+            next(m for m in methods if m.name == f"speculative_{name}"), plain_tps, tree_options(name).depth)
+    main = summaries[f"speculative_{args.tree}"]
+    greedy_rows = [r for m in methods[1:] if m.name.startswith("speculative") for r in m.rows if "greedy_match" in r]
+    near_ties = [x for x in mismatches if x["is_near_tie"]]
+    result = {
+        "target": str(args.target),
+        "draft": str(args.draft),
+        "device": str(device) if device.type != "cpu" else f"cpu ({platform.processor() or platform.machine()}, "
+                                                              f"{torch.get_num_threads()} threads)",
+        "dtype": str(dtype).replace("torch.", ""),
+        "torch": torch.__version__,
+        "tcmalloc": "tcmalloc" in os.environ.get("LD_PRELOAD", ""),
+        "prompts": len(inputs),
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "tree": tree_info,
+        "speedup": main["speedup"],
+        "speedup_vs_prompt_lookup": (main["tokens_per_s"] / summaries["prompt_lookup"]["tokens_per_s"]
+                                     if "prompt_lookup" in summaries else None),
+        "tau": main["tau"],
+        "tokens_per_s": {name: s["tokens_per_s"] for name, s in summaries.items()},
+        "greedy_match": (sum(r["greedy_match"] for r in greedy_rows) / len(greedy_rows)) if greedy_rows else None,
+        "greedy_divergences": {"near_tie": len(near_ties), "real_mismatch": len(mismatches) - len(near_ties),
+                               "details": mismatches},
+        "methods": summaries,
+        "per_prompt": {m.name: m.rows for m in methods},
+    }
+    for name in compare:
+        result[f"tau_{name}_tree"] = summaries[f"speculative_{name}"]["tau"]
+    return result
+
+
+def plot(result: dict, path: Path) -> None:
+    """Speedup per method and the accepted-length histogram of each speculative method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = result["methods"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(methods)
+    ax1.bar(names, [methods[n].get("speedup", 1.0) for n in names], color="tab:blue")
+    ax1.axhline(1.0, color="grey", lw=0.8)
+    ax1.set_ylabel("speedup vs plain generate")
+    ax1.set_title(f"{result['prompts']} prompts, {result['dtype']}, T={result['temperature']}")
+    ax1.tick_params(axis="x", labelrotation=20)
+    for name in names:
+        hist = methods[name].get("accept_histogram")
+        if hist:
+            total = sum(hist.values())
+            keys = sorted(int(k) for k in hist)
+            ax2.plot(keys, [hist[k] / total for k in keys], marker="o", label=f"{name} (τ={methods[name]['tau']:.2f})")
+    ax2.set_xlabel("tokens per verification (accepted + bonus)")
+    ax2.set_ylabel("share of steps")
+    ax2.legend()
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", required=True, help="head folder (native or exported)")
+    p.add_argument("--prompts", default="mt_bench", help="mt_bench or a JSONL file")
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tree", default="auto", help="auto (tuned for this hardware) or a preset: cpu, gpu, chain")
+    p.add_argument("--compare-tree", nargs="*", default=["gpu"], help="extra tree presets measured in the same run")
+    p.add_argument("--calibration-prompts", type=int, default=3)
+    p.add_argument("--calibration-tokens", type=int, default=96)
+    p.add_argument("--no-pld", action="store_true", help="skip the prompt-lookup baseline")
+    p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto", help="auto: bf16 where the hardware has it, else float32")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--out", type=Path, default=Path("bench.json"))
+    p.add_argument("--plot", type=Path, default=None, help="PNG path (default: next to --out)")
+    args = p.parse_args(argv)
+    result = run_bench(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, args.out)
+    plot(result, args.plot or args.out.with_suffix(".png"))
+    m = result["methods"]
+    print(f"\n{result['prompts']} prompts, {result['dtype']} on {result['device']}")
+    for name, s in m.items():
+        extra = f"  tau {s['tau']:.2f}" if "tau" in s else ""
+        print(f"  {name:24s} {s['tokens_per_s']:7.2f} tok/s  speedup {s.get('speedup', 1):.2f}x{extra}")
+    print(f"greedy match {result['greedy_match']}, divergences {result['greedy_divergences']['near_tie']} near-tie "
+          f"/ {result['greedy_divergences']['real_mismatch']} real")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

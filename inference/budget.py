@@ -1,0 +1,205 @@
+"""Hardware-aware tree budget (`--tree auto`): pick depth / top_k / total_tokens for this device and dtype.
+
+1. Cost: time the target verifying n tree tokens after a realistic prefix (n = 1..64) and the head drafting a tree
+   of each (depth, top_k), on the current device and dtype; per-step overhead comes from a calibration run.
+2. Acceptance: generate a few calibration prompts with a large tree, recording for every drafted node its depth,
+   its rank among its siblings, its rank within its depth and its score rank, and whether it was accepted.
+3. For each candidate (depth, top_k, total_tokens), replay the recorded trees under that budget (the nodes a smaller
+   tree would have kept; a path is accepted up to its first node the budget drops), giving the expected tokens per
+   step tau; choose the budget maximising tau / (draft + verify + overhead) — expected tokens per second.
+GPU-tuned trees (60 tokens) are wrong on a CPU, where verifying 16 tokens already costs ~1.7x a single step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from drafthead import DraftHead
+
+from .runner import TargetRunner
+from .tree import DraftTree, TreeDrafter, TreeOptions
+
+CALIBRATION_TREE = TreeOptions(depth=8, top_k=10, total_tokens=80)
+DEPTHS = range(1, 9)
+TOP_KS = (1, 2, 3, 4, 6, 8, 10)
+TOTALS = tuple(range(1, 17)) + (20, 24, 28, 32, 40, 48, 56, 60, 64, 80)
+
+
+@dataclass
+class NodeRecord:
+    """One drafted node of a calibration tree, as the budget replay needs it."""
+
+    step: int
+    parent: int  # index into the step's records, -1 for depth-1 nodes
+    depth: int
+    sibling_rank: int  # 0 = its parent's best child
+    depth_rank: int  # rank by score among the nodes of its depth
+    score_rank: int  # rank by score among all nodes of the tree
+    accepted: bool
+
+
+def _median_ms(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(1000 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def measure_verify_ms(model: nn.Module, head: DraftHead, prefix: torch.Tensor, sizes, reps: int = 5) -> dict[int, float]:
+    """Median ms of one target forward over a chain-shaped tree of n+1 tokens after `prefix` (1, T)."""
+    runner = TargetRunner(model, head.config.aux_layer_ids)
+    runner.prefill(prefix)
+    out = {}
+    for n in sizes:
+        tokens = prefix[:, -(n + 1):] if prefix.shape[1] > n else prefix[:, :1].repeat(1, n + 1)
+        depths = torch.arange(n + 1, device=prefix.device)
+        ancestors = torch.ones(n + 1, n + 1, dtype=torch.bool, device=prefix.device).tril()
+
+        def step():
+            runner.verify(tokens, depths, ancestors)
+            runner.commit(torch.zeros(0, dtype=torch.long, device=prefix.device), n + 1)
+
+        step()  # warm-up
+        out[n] = _median_ms(step, reps)
+    return out
+
+
+@torch.inference_mode()
+def measure_draft_ms(model: nn.Module, head: DraftHead, prefix: torch.Tensor, reps: int = 5) -> dict[tuple[int, int], float]:
+    """Median ms of drafting a tree of each (depth, top_k), after feeding the prefix's true features."""
+    runner = TargetRunner(model, head.config.aux_layer_ids)
+    _, features = runner.prefill(prefix)
+    root = prefix[0, -1:]
+    out = {}
+    for top_k in TOP_KS:
+        for depth in DEPTHS:
+            drafter = TreeDrafter(head, TreeOptions(depth=depth, top_k=top_k, total_tokens=max(TOTALS)))
+            drafter.feed(features[:, :-1], prefix[:, 1:], 0)
+            drafter.draft(root)  # warm-up
+            out[(depth, top_k)] = _median_ms(lambda: drafter.draft(root), reps)
+    return out
+
+
+def _ranks(values: torch.Tensor) -> torch.Tensor:
+    """Rank of each entry by descending value (0 = best); ties broken by index."""
+    order = torch.sort(values, descending=True, stable=True).indices
+    ranks = torch.empty_like(order)
+    ranks[order] = torch.arange(len(order), device=order.device)
+    return ranks
+
+
+def record_tree(step: int, tree: DraftTree, path: torch.Tensor) -> list[NodeRecord]:
+    """Records of a verified tree's drafted nodes (root excluded). path: accepted tree indices, root first."""
+    scores = tree.scores[1:].float().cpu()
+    parents = tree.parents[1:].cpu() - 1  # index among drafted nodes; -1 = child of the root
+    depths = tree.depths[1:].cpu()
+    accepted = torch.zeros(len(scores), dtype=torch.bool)
+    accepted[path[1:].cpu() - 1] = True
+    score_rank = _ranks(scores)
+    depth_rank = torch.empty_like(score_rank)
+    sibling_rank = torch.empty_like(score_rank)
+    for d in depths.unique():
+        idx = (depths == d).nonzero().flatten()
+        depth_rank[idx] = _ranks(scores[idx])
+    for p in parents.unique():
+        idx = (parents == p).nonzero().flatten()
+        sibling_rank[idx] = _ranks(scores[idx])
+    return [NodeRecord(step, int(parents[i]), int(depths[i]), int(sibling_rank[i]), int(depth_rank[i]),
+                       int(score_rank[i]), bool(accepted[i])) for i in range(len(scores))]
+
+
+def expected_tau(records_by_step: list[list[NodeRecord]], depth: int, top_k: int, total: int) -> float:
+    """Mean tokens per step (bonus included) had the recorded trees been drafted under this budget."""
+    taus = []
+    for nodes in records_by_step:
+        allowed = [False] * len(nodes)
+        for i, node in enumerate(nodes):  # parents come before children
+            ok = node.depth <= depth and node.sibling_rank < top_k
+            if node.parent >= 0:
+                parent = nodes[node.parent]
+                ok = ok and allowed[node.parent] and parent.depth_rank < top_k  # parent was on the frontier
+            allowed[i] = ok
+        kept_ranks = sorted(node.score_rank for i, node in enumerate(nodes) if allowed[i])
+        cutoff = kept_ranks[total - 1] if len(kept_ranks) >= total else float("inf")
+        # the accepted nodes form a chain from the root; a budget that drops one drops all below it
+        chain = sorted((node.depth, i) for i, node in enumerate(nodes) if node.accepted)
+        kept = 0
+        for _, i in chain:
+            if allowed[i] and nodes[i].score_rank <= cutoff:
+                kept += 1
+            else:
+                break
+        taus.append(1 + kept)
+    return statistics.fmean(taus) if taus else 1.0
+
+
+def auto_tree(
+    model: nn.Module,
+    head: DraftHead,
+    calibration_inputs: list[torch.Tensor],
+    max_new_tokens: int = 96,
+    verbose: bool = True,
+) -> tuple[TreeOptions, dict]:
+    """Choose the tree budget that maximises expected tokens/s on this device and dtype. Returns (options, report)."""
+    from .generator import SpeculativeGenerator
+
+    gen = SpeculativeGenerator(model, head, tree=CALIBRATION_TREE)
+    records: list[list[NodeRecord]] = []
+    overhead_ms = []
+
+    def on_step(tree: DraftTree, path: torch.Tensor) -> None:
+        records.append(record_tree(len(records), tree, path))
+
+    last = None
+    for ids in calibration_inputs:
+        out = gen.generate(ids, max_new_tokens=max_new_tokens, on_step=on_step)
+        s = out.stats
+        steps = max(len(s.accept_lengths), 1)
+        overhead_ms.append(1000 * (s.total_time_s - s.draft_time_s - s.verify_time_s) / steps)
+        last = out.sequences
+    prefix = last[:, -256:] if last.shape[1] > 256 else last
+    verify_ms = measure_verify_ms(model, head, prefix, TOTALS)
+    draft_ms = measure_draft_ms(model, head, prefix)
+    overhead = statistics.median(overhead_ms)
+
+    best, table = None, []
+    for depth in DEPTHS:
+        for top_k in TOP_KS:
+            for total in TOTALS:
+                if total < depth or (top_k == 1 and total != depth):
+                    continue
+                tau = expected_tau(records, depth, top_k, total)
+                step_ms = draft_ms[(depth, top_k)] + verify_ms[total] + overhead
+                tps = 1000 * tau / step_ms
+                table.append((tps, tau, step_ms, depth, top_k, total))
+                if best is None or tps > best[0]:
+                    best = table[-1]
+    tps, tau, step_ms, depth, top_k, total = best
+    options = TreeOptions(depth=depth, top_k=top_k, total_tokens=total)
+    gpu = TreeOptions(depth=6, top_k=10, total_tokens=60)
+    gpu_tau = expected_tau(records, gpu.depth, gpu.top_k, gpu.total_tokens)
+    gpu_ms = draft_ms[(gpu.depth, gpu.top_k)] + verify_ms[gpu.total_tokens] + overhead
+    report = {
+        "chosen": {"depth": depth, "top_k": top_k, "total_tokens": total},
+        "predicted": {"tau": tau, "step_ms": step_ms, "tokens_per_s": tps},
+        "predicted_gpu_tree": {"tau": gpu_tau, "step_ms": gpu_ms, "tokens_per_s": 1000 * gpu_tau / gpu_ms},
+        "verify_ms": {str(k): v for k, v in verify_ms.items()},
+        "draft_ms": {f"{d},{k}": v for (d, k), v in draft_ms.items()},
+        "overhead_ms": overhead,
+        "calibration_steps": len(records),
+        "top_candidates": [dict(zip(("tokens_per_s", "tau", "step_ms", "depth", "top_k", "total_tokens"), row))
+                           for row in sorted(table, reverse=True)[:5]],
+    }
+    if verbose:
+        print(f"tree auto: depth={depth} top_k={top_k} total_tokens={total} "
+              f"(predicted tau {tau:.2f}, {step_ms:.1f} ms/step, {tps:.1f} tok/s; "
+              f"plain step {verify_ms[1]:.1f} ms)", flush=True)
+    return options, report

@@ -1,0 +1,39 @@
+"""Hardware-dependent defaults: the fastest exact-enough dtype for a device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def cpu_has_bf16() -> bool:
+    """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX); without it bf16 matmuls are emulated
+    and a multi-token forward runs several times slower than fp32 (measured on an AVX2-only EPYC)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def auto_dtype(device: str | torch.device) -> torch.dtype:
+    """bf16 on GPUs that support it and on CPUs with native bf16, float32 otherwise."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "cpu":
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    return torch.float32
+
+
+def resolve_dtype(name: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
+    """'auto' (or None) -> auto_dtype(device); otherwise a dtype name such as 'bfloat16' or 'float32'."""
+    if name is None or name == "auto":
+        return auto_dtype(device)
+    if isinstance(name, torch.dtype):
+        return name
+    value = getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} (try auto, bfloat16, float16, float32)")
+    return value

@@ -1,0 +1,92 @@
+"""`make demo`: the whole product on the default target (SmolLM2-135M-Instruct), end to end, on this machine.
+
+fetch assets -> prepare a ShareGPT subset -> collect target features -> train an EAGLE-3 head with
+`accelerate launch` + DeepSpeed (ZeRO-2, bf16) -> export + validate for vLLM/SGLang -> benchmark on MT-bench
+prompts against plain `generate` and prompt-lookup decoding -> print tau and speedup.
+
+Every step is a plain command (printed before it runs) that resumes or skips when its output already exists, so
+re-running `make demo` after an interruption continues where it stopped. Outputs go to $RUN_DIR (runs/demo).
+Sizes can be changed through environment variables (DEMO_CONVERSATIONS, DEMO_STEPS, DEMO_PROMPTS, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+RECIPE = "configs/smollm2-135m-eagle3.yaml"
+
+
+def env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def run(cmd: list[str], env: dict | None = None) -> None:
+    print(f"\n$ {shlex.join(cmd)}", flush=True)
+    start = time.perf_counter()
+    result = subprocess.run(cmd, cwd=REPO, env={**os.environ, **(env or {})})
+    if result.returncode != 0:
+        sys.exit(f"demo step failed (exit {result.returncode}): {shlex.join(cmd)}")
+    print(f"  ({time.perf_counter() - start:.0f} s)", flush=True)
+
+
+def main() -> None:
+    run_dir = Path(os.environ.get("RUN_DIR", "runs/demo"))
+    cache = Path(os.environ.get("DRAFTHEAD_CACHE", Path.home() / ".cache" / "drafthead")).expanduser()
+    target = cache / "models" / "SmolLM2-135M-Instruct"
+    overrides = [
+        f"run_dir={run_dir}",
+        f"data.max_conversations={env_int('DEMO_CONVERSATIONS', 1500)}",
+        f"data.max_length={env_int('DEMO_MAX_LENGTH', 768)}",
+        f"train.output_dir={run_dir}/head",
+        f"train.max_steps={env_int('DEMO_STEPS', 300)}",
+        f"train.save_every={env_int('DEMO_SAVE_EVERY', 100)}",
+        f"train.eval_every={env_int('DEMO_EVAL_EVERY', 100)}",
+        f"train.warmup_steps={env_int('DEMO_WARMUP', 20)}",
+        f"train.lr={os.environ.get('DEMO_LR', '3e-4')}",
+        f"train.batch_tokens={env_int('DEMO_BATCH_TOKENS', 4096)}",
+        f"train.ttt_steps={env_int('DEMO_TTT_STEPS', 4)}",
+        "train.mixed_precision=bf16",
+        f"head.draft_vocab_size={env_int('DEMO_DRAFT_VOCAB', 8192)}",
+    ]
+    started = time.perf_counter()
+    run([PY, "scripts/fetch_assets.py"])
+    if not (run_dir / "prepared").exists():
+        run([PY, "-m", "train.prepare", RECIPE, *overrides])
+    run([PY, "-m", "train.collect", RECIPE, *overrides])
+    accelerate = str(Path(PY).with_name("accelerate"))
+    run([accelerate, "launch", "--config_file", "configs/accelerate/cpu_zero2.yaml",
+         "--num_processes", os.environ.get("DEMO_PROCESSES", "1"), "-m", "train", RECIPE, *overrides])
+    export = run_dir / "export"
+    run([PY, "-m", "drafthead.export", str(run_dir / "head" / "final"), str(export), "--format", "eagle3", "--force"])
+    run([PY, "-m", "inference.bench", "--target", str(target), "--draft", str(export), "--prompts", "mt_bench",
+         "--num-prompts", str(env_int("DEMO_PROMPTS", 10)), "--max-new-tokens", str(env_int("DEMO_NEW_TOKENS", 128)),
+         "--tree", "auto", "--compare-tree", "gpu", "--dtype", "bfloat16", "--out", str(run_dir / "bench.json")])
+    bench = json.loads((run_dir / "bench.json").read_text())
+    minutes = (time.perf_counter() - started) / 60
+    print("\n================ demo done ================")
+    print(f"target          {target.name} (Q4_1, dequantized), {bench['dtype']} on {bench['device']}")
+    print(f"head            {run_dir / 'head' / 'final'}  (training log: {run_dir / 'head' / 'log.jsonl'})")
+    print(f"export          {export}  (validated for vLLM / SGLang)")
+    print(f"tree (auto)     {bench['tree']['chosen']}")
+    print(f"tau             {bench['tau']:.2f} tokens per target forward (auto tree); "
+          f"{bench.get('tau_gpu_tree', float('nan')):.2f} with the GPU default tree")
+    print(f"speedup         {bench['speedup']:.2f}x vs plain generate, "
+          f"{bench['speedup_vs_prompt_lookup']:.2f}x vs prompt lookup")
+    print(f"greedy match    {bench['greedy_match']:.2%} of prompts "
+          f"({bench['greedy_divergences']['near_tie']} bf16 near-tie, "
+          f"{bench['greedy_divergences']['real_mismatch']} real mismatches)")
+    print(f"results         {run_dir / 'bench.json'}, {run_dir / 'bench.png'}")
+    print(f"total time      {minutes:.1f} min")
+
+
+if __name__ == "__main__":
+    main()
