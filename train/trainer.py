@@ -27,6 +27,7 @@ from drafthead.vocab import build_draft_vocab, full_vocab, token_frequencies
 from train.batches import PreparedSequences, collate, epoch_batches, rank_batches, with_online_features
 from train.evaluate import evaluate, step_statistics
 from train.features import FeatureDataset
+from drafthead.checkpoint import atomic_write_json
 from train.loss import DraftTrainModule
 from train.state import clean_partial, gathered_params, latest_checkpoint, load_checkpoint, save_checkpoint, \
     save_head_folder
@@ -270,6 +271,11 @@ class Trainer:
         log = Logger(self.output_dir, acc.is_main_process, start)
         seen: list[list[int]] = []
         progress = _progress(self.total_steps, start, acc.is_main_process)
+        if start == 0 and self.val_set is not None:  # the untrained baseline the learning curve starts from
+            metrics = evaluate(self.model, self.validation_batches(), lambda t: acc.reduce(t, "sum"))
+            if acc.is_main_process:
+                atomic_write_json(self.output_dir / "eval_untrained.json",
+                                  {k if k.startswith("eval_") else f"eval_{k}": v for k, v in metrics.items()})
         self.model.train()
         tic = time.perf_counter()
         for step, epoch, group in self.step_groups(start):
