@@ -218,8 +218,9 @@ def test_export_smollm2_head_loads_on_the_real_target(smollm2, tmp_path):
 
     config = HeadConfig.from_target_config(smollm2.config, kind="eagle3", draft_vocab_size=32000)
     head = DraftHead(config).to(torch.bfloat16).attach_target(smollm2)
+    head.t2d.fill_(True)  # a t2d that disagrees with d2t must not be published
     with pytest.raises(ExportValidationError, match="inconsistent with t2d"):
-        export_head(head, tmp_path / "serving")  # a fresh head's placeholder d2t/t2d do not describe a vocabulary
+        export_head(head, tmp_path / "serving")
     assert not (tmp_path / "serving").exists()
     d2t, t2d = build_draft_vocab(torch.randint(0, 1000, (config.vocab_size,)), config.draft_vocab_size)
     head.d2t.copy_(d2t)

@@ -143,6 +143,8 @@ def test_no_hard_coded_device_or_dtype():
     bad = []
     for folder in ("inference", "drafthead"):
         for path in sorted((root / folder).rglob("*.py")):
+            if path.name == "hardware.py":  # the one place that maps hardware to a default dtype, by design
+                continue
             for i, line in enumerate(path.read_text().splitlines(), 1):
                 code = line.split("#")[0]
                 if HARD_CODED.search(code) and not ALLOWED.search(code):
