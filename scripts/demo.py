@@ -48,11 +48,11 @@ def main() -> None:
     precision = os.environ.get("DEMO_PRECISION") or ("bf16" if cpu_has_bf16() else "fp32")
     overrides = [
         f"run_dir={run_dir}",
-        f"data.max_conversations={env_int('DEMO_CONVERSATIONS', 320)}",
+        f"data.max_conversations={env_int('DEMO_CONVERSATIONS', 120)}",
         f"data.max_length={env_int('DEMO_MAX_LENGTH', 512)}",
-        "data.validation_fraction=0.05",
+        "data.validation_fraction=0.1",
         f"train.output_dir={run_dir}/head",
-        f"train.max_steps={env_int('DEMO_STEPS', 60)}",
+        f"train.max_steps={env_int('DEMO_STEPS', 40)}",
         f"train.save_every={env_int('DEMO_SAVE_EVERY', 20)}",
         f"train.eval_every={env_int('DEMO_EVAL_EVERY', 20)}",
         "train.eval_batches=4",
