@@ -74,8 +74,8 @@ def timed(fn) -> tuple[Any, float]:
 class Method:
     """One decoding method: a callable (input_ids) -> (new token list, stats dict | None)."""
 
-    def __init__(self, name: str, run):
-        self.name, self.run = name, run
+    def __init__(self, name: str, run, depth: int | None = None):
+        self.name, self.run, self.depth = name, run, depth  # depth: the tree depth of a speculative method
         self.rows: list[dict] = []
 
 
@@ -155,8 +155,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         tree_info["auto"] = report
     else:
         options = tree_options(args.tree)
-    tree_info["chosen"] = vars(options) if not hasattr(options, "__dataclass_fields__") else {
-        k: getattr(options, k) for k in options.__dataclass_fields__}
+    tree_info["chosen"] = dataclasses.asdict(options)
 
     methods = [Method("plain", plain_method(model, args.max_new_tokens, eos))]
     if not args.no_pld:
@@ -164,12 +163,12 @@ def run_bench(args: argparse.Namespace) -> dict:
                                                             prompt_lookup_num_tokens=args.pld_tokens)))
     spec = SpeculativeGenerator(model, head, tokenizer, tree=options)
     methods.append(Method(f"speculative_{args.tree}", spec_method(spec, args.max_new_tokens, args.temperature, eos,
-                                                                  args.seed)))
+                                                                  args.seed), options.depth))
     compare = [t for t in (args.compare_tree or []) if t != args.tree]
     for name in compare:
         gen = SpeculativeGenerator(model, head, tokenizer, tree=name)
         methods.append(Method(f"speculative_{name}", spec_method(gen, args.max_new_tokens, args.temperature, eos,
-                                                                 args.seed)))
+                                                                 args.seed), gen.options.depth))
 
     for _ in range(args.warmup):  # warm-up: allocator, kernels, caches
         for m in methods:
@@ -197,11 +196,7 @@ def run_bench(args: argparse.Namespace) -> dict:
             m.rows.append(row)
 
     plain_tps = statistics.fmean(r["tokens_per_s"] for r in methods[0].rows)
-    summaries = {m.name: summarise(m, plain_tps, options.depth if m.name == f"speculative_{args.tree}" else None)
-                 for m in methods}
-    for name in compare:
-        summaries[f"speculative_{name}"] = summarise(
-            next(m for m in methods if m.name == f"speculative_{name}"), plain_tps, tree_options(name).depth)
+    summaries = {m.name: summarise(m, plain_tps, m.depth) for m in methods}
     main = summaries[f"speculative_{args.tree}"]
     greedy_rows = [r for m in methods[1:] if m.name.startswith("speculative") for r in m.rows if "greedy_match" in r]
     near_ties = [x for x in mismatches if x["is_near_tie"]]

@@ -21,21 +21,12 @@ import torch
 import torch.nn as nn
 
 from drafthead import DraftHead, check_compatible, load_head
+from drafthead.dtypes import parse_dtype
 
 from .runner import TargetRunner
 from .sampling import SamplingParams, target_probs
 from .tree import DraftTree, TreeDrafter, TreeOptions, tree_options
 from .verify import children_lists, verify_greedy, verify_sampling
-
-
-def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    """'bfloat16' / 'float32' / torch.dtype / None -> torch.dtype or None."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    value = getattr(torch, str(dtype).replace("torch.", ""), None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r} (try bfloat16, float16, float32)")
-    return value
 
 
 @dataclass
@@ -220,6 +211,8 @@ class SpeculativeGenerator:
         stats.verify_time_s += time.perf_counter() - t0
         new: list[int] = []
         batch = first.tolist()
+        # true pairs (target feature at t, token t+1) the head has not seen yet; first: the whole prompt
+        feed_features, feed_tokens = features, torch.cat([input_ids[:, 1:], first.view(1, 1)], dim=1)
         while True:
             keep = stopper.cut(new, batch)
             emitted = batch if keep is None else batch[:keep]
@@ -229,10 +222,7 @@ class SpeculativeGenerator:
             if keep is not None:
                 break
             t0 = time.perf_counter()
-            if not stats.target_forwards > 1:  # after prefill: the prompt's pairs (f_t, x_{t+1})
-                drafter.feed(features, torch.cat([input_ids[:, 1:], first.view(1, 1)], dim=1), 0)
-            else:
-                drafter.feed(features[:, path], new_tokens.view(1, -1), drafter.stable_length)
+            drafter.feed(feed_features, feed_tokens, drafter.stable_length)
             tree = drafter.draft(torch.tensor(batch[-1:], device=self.device))
             t1 = time.perf_counter()
             logits, features = runner.verify(tree.tokens, tree.depths, tree.ancestors)
@@ -245,6 +235,7 @@ class SpeculativeGenerator:
             if on_step is not None:  # e.g. tree-budget calibration: the verified tree and its accepted path
                 on_step(tree, path)
             batch = new_tokens.tolist()
+            feed_features, feed_tokens = features[:, path], new_tokens.view(1, -1)
             stats.target_forwards += 1
             stats.accept_lengths.append(len(batch))
             stats.draft_time_s += t1 - t0

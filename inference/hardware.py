@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from drafthead.dtypes import parse_dtype
+
 
 def cpu_has_bf16() -> bool:
     """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX); without it bf16 matmuls are emulated
@@ -31,9 +33,4 @@ def resolve_dtype(name: str | torch.dtype | None, device: str | torch.device) ->
     """'auto' (or None) -> auto_dtype(device); otherwise a dtype name such as 'bfloat16' or 'float32'."""
     if name is None or name == "auto":
         return auto_dtype(device)
-    if isinstance(name, torch.dtype):
-        return name
-    value = getattr(torch, str(name).replace("torch.", ""), None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} (try auto, bfloat16, float16, float32)")
-    return value
+    return parse_dtype(name)

@@ -27,7 +27,7 @@ from train.collect import collect_split, length_batches  # noqa: E402
 from train.conversations import read_conversations  # noqa: E402
 from train.prepare import encode  # noqa: E402
 from train.recipe import default_cache  # noqa: E402
-from train.target import load_target, load_tokenizer, parse_dtype  # noqa: E402
+from train.target import load_target, load_tokenizer  # noqa: E402
 
 
 @torch.no_grad()

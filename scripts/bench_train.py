@@ -22,7 +22,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 TCMALLOC = [Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),

@@ -3,18 +3,12 @@
 
 from __future__ import annotations
 
-import sys
-
-from train.recipe import load_recipe
+from train.recipe import recipe_main
 from train.trainer import train
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        sys.exit(0 if argv else 2)
-    train(load_recipe(argv[0], argv[1:]))
+    recipe_main(train, __doc__, argv)
 
 
 if __name__ == "__main__":

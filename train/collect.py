@@ -18,7 +18,6 @@ import fcntl
 import json
 import math
 import os
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -30,7 +29,7 @@ from drafthead.capture import HiddenStateCapture, decoder_layers
 from drafthead.checkpoint import atomic_write_json
 from drafthead.config import default_aux_layer_ids
 from train.features import MANIFEST, FeatureWriter, Sequence, shard_name
-from train.recipe import load_recipe
+from train.recipe import recipe_main
 from train.target import load_target, target_config_hash, target_name
 
 FEATURE_DTYPE = torch.bfloat16
@@ -174,11 +173,7 @@ def collect(recipe: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        raise SystemExit(0 if argv else 2)
-    collect(load_recipe(argv[0], argv[1:]))
+    recipe_main(collect, __doc__, argv)
 
 
 if __name__ == "__main__":

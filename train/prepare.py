@@ -14,7 +14,6 @@ import hashlib
 import math
 import os
 import shutil
-import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 
 from train.conversations import BadRecord, read_conversations
 from train.loss_mask import TemplateError, tokenize_with_mask
-from train.recipe import load_recipe
+from train.recipe import recipe_main
 from train.target import load_tokenizer
 
 
@@ -143,11 +142,7 @@ def prepare(recipe: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        raise SystemExit(0 if argv else 2)
-    prepare(load_recipe(argv[0], argv[1:]))
+    recipe_main(prepare, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -76,3 +76,14 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> dict:
     for key, value in parse_overrides(overrides or []):
         set_dotted(recipe, key, value)
     return _interpolate(recipe, recipe)
+
+
+def recipe_main(job, doc: str, argv: list[str] | None = None) -> None:
+    """Command-line entry of every recipe job: `python -m train.<job> RECIPE [key=value ...]`."""
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(doc)
+        raise SystemExit(0 if argv else 2)
+    job(load_recipe(argv[0], argv[1:]))

@@ -13,7 +13,6 @@ A conversation stops at the first assistant turn whose prompt + max_new_tokens w
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from tqdm import tqdm
 
 from drafthead.checkpoint import atomic_write_bytes
 from train.conversations import read_conversations
-from train.recipe import load_recipe
+from train.recipe import recipe_main
 from train.target import load_target, load_tokenizer
 
 DEFAULTS = {"output": None, "max_new_tokens": 256, "temperature": 0.0, "top_p": 1.0, "batch_size": 16,
@@ -115,11 +114,7 @@ def regenerate(recipe: dict) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        raise SystemExit(0 if argv else 2)
-    regenerate(load_recipe(argv[0], argv[1:]))
+    recipe_main(regenerate, __doc__, argv)
 
 
 if __name__ == "__main__":

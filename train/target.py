@@ -7,20 +7,7 @@ from typing import Any
 
 import torch
 
-DTYPES = {
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-}
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """'bfloat16' / 'bf16' / torch.bfloat16 ... -> torch.dtype."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if str(dtype).lower() not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
-    return DTYPES[str(dtype).lower()]
+from drafthead.dtypes import parse_dtype
 
 
 def _check_folder(path: str | Path) -> Path:
