@@ -63,7 +63,13 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
         if "=" not in item:
             raise ValueError(f"override {item!r} is not key=value")
         key, raw = item.split("=", 1)
-        parsed.append((key.strip(), yaml.safe_load(raw) if raw != "" else None))
+        value = yaml.safe_load(raw) if raw != "" else None
+        if isinstance(value, str) and any(c.isdigit() for c in value):  # YAML 1.1 reads "1e-3" as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        parsed.append((key.strip(), value))
     return parsed
 
 
