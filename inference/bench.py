@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .generator import SpeculativeGenerator
-from .hardware import resolve_dtype
+from drafthead.hardware import resolve_dtype
 from .ties import explain_divergence
 from .tree import tree_options
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from inference.hardware import cpu_has_bf16  # noqa: E402
+from drafthead.hardware import cpu_has_bf16  # noqa: E402
 PY = sys.executable
 RECIPE = "configs/smollm2-135m-eagle3.yaml"
 
@@ -49,17 +49,17 @@ def main() -> None:
         f"run_dir={run_dir}",
         f"data.max_conversations={env_int('DEMO_CONVERSATIONS', 120)}",
         f"data.max_length={env_int('DEMO_MAX_LENGTH', 512)}",
-        "data.validation_fraction=0.1",
+        f"data.validation_fraction={os.environ.get('DEMO_VALIDATION_FRACTION', '0.1')}",
         f"train.output_dir={run_dir}/head",
         f"train.max_steps={env_int('DEMO_STEPS', 40)}",
         f"train.save_every={env_int('DEMO_SAVE_EVERY', 20)}",
         f"train.eval_every={env_int('DEMO_EVAL_EVERY', 20)}",
-        "train.eval_batches=4",
+        f"train.eval_batches={env_int('DEMO_EVAL_BATCHES', 4)}",
         f"train.warmup_steps={env_int('DEMO_WARMUP', 5)}",
         f"train.lr={os.environ.get('DEMO_LR', '1e-3')}",
         f"train.batch_tokens={env_int('DEMO_BATCH_TOKENS', 2048)}",
         "train.grad_accum=1",
-        "train.max_length=512",
+        f"train.max_length={env_int('DEMO_MAX_LENGTH', 512)}",
         f"train.ttt_steps={env_int('DEMO_TTT_STEPS', 3)}",
         f"train.mixed_precision={precision}",
         f"head.draft_vocab_size={env_int('DEMO_DRAFT_VOCAB', 4096)}",

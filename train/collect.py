@@ -152,12 +152,14 @@ def collect(recipe: dict) -> dict:
     if not prepared.exists():
         raise SystemExit(f"error: {prepared} not found: run `python -m train.prepare RECIPE` first")
     data = load_from_disk(str(prepared))
-    dtype = feats.get("target_dtype") or recipe.get("dtype", "bfloat16")  # features are stored bf16 either way
+    # features are stored bf16 either way; 'auto' computes them in bf16 only where the hardware is native bf16
+    dtype = feats.get("target_dtype") or recipe.get("dtype", "auto")
     model = load_target(recipe["target"], device=device, dtype=dtype)
     num_layers = len(decoder_layers(model))
     aux = (recipe.get("head") or {}).get("aux_layer_ids") or default_aux_layer_ids(num_layers)
     header = {"target": target_name(recipe["target"]), "target_config_hash": target_config_hash(recipe["target"]),
-              "hidden_size": int(model.config.get_text_config().hidden_size), "target_dtype": str(dtype)}
+              "hidden_size": int(model.config.get_text_config().hidden_size),
+              "target_dtype": str(model.dtype).replace("torch.", "")}
     validation_dir = feats.get("validation_dir") or os.path.join(feats["dir"], "validation")
     folders = {"train": feats["dir"], "validation": validation_dir}
     results = {}

@@ -99,7 +99,7 @@ def regenerate(recipe: dict) -> Path:
     print(f"{len(conversations)} conversations, {len(chunks)} chunks, {len(chunks) - len(todo)} already done")
     if todo:
         tokenizer = load_tokenizer(recipe["target"])
-        model = load_target(recipe["target"], device=recipe.get("device", "cpu"), dtype=recipe.get("dtype", "bfloat16"))
+        model = load_target(recipe["target"], device=recipe.get("device", "cpu"), dtype=recipe.get("dtype", "auto"))
         bar = tqdm(total=sum(len(chunks[i]) for i in todo), unit="conv", desc="regenerate")
         for i in todo:
             torch.manual_seed(int(cfg["seed"]) + i)  # sampled runs are reproducible chunk by chunk

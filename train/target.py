@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from drafthead.dtypes import parse_dtype
+from drafthead.hardware import resolve_dtype
 
 
 def _check_folder(path: str | Path) -> Path:
@@ -30,11 +30,13 @@ def load_tokenizer(path: str | Path) -> Any:
     return tokenizer
 
 
-def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "bfloat16") -> Any:
-    """A frozen causal LM in eval mode on `device` in `dtype` (no gradients)."""
+def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = "auto") -> Any:
+    """A frozen causal LM in eval mode on `device` in `dtype` (no gradients). dtype 'auto' (or None): bf16 where
+    the device computes it natively (CUDA, CPUs with AVX512-BF16/AMX), else float32."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(_check_folder(path)), dtype=parse_dtype(dtype))
+    dtype = resolve_dtype(dtype, device)
+    model = AutoModelForCausalLM.from_pretrained(str(_check_folder(path)), dtype=dtype)
     model.to(torch.device(device)).eval()
     model.requires_grad_(False)
     return model
