@@ -6,14 +6,16 @@
 Spec-Bench conventions: batch 1, the target's chat template, warm-up runs, wall time of the whole generate call
 (prefill included), tokens/s per prompt. Methods run interleaved prompt by prompt, so drift hits all alike.
 speedup = mean tokens/s of a method / mean tokens/s of plain transformers `generate` on the same prompts.
-Greedy outputs are compared token by token with plain decoding; a divergence is a "near tie" when the target's
-top-2 logits at that step differ by less than the dtype's resolution (bf16 rounding), otherwise a real mismatch.
+Greedy outputs are compared token by token with plain decoding; a divergence is a "near tie" when the two tokens'
+logits at that step are within one bf16 step of the top, or within what low precision can move them as measured
+against a float32 copy of the target at that position (inference.ties); otherwise a real mismatch.
 Writes JSON (and a PNG plot with --plot).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import os
@@ -28,7 +30,7 @@ import torch
 from .generator import SpeculativeGenerator
 from drafthead.hardware import resolve_dtype
 from .ties import explain_divergence
-from .tree import tree_options
+from .tree import TreeOptions, tree_options
 
 
 def load_prompts(spec: str, limit: int | None) -> list[str]:
@@ -72,10 +74,12 @@ def timed(fn) -> tuple[Any, float]:
 
 
 class Method:
-    """One decoding method: a callable (input_ids) -> (new token list, stats dict | None)."""
+    """One decoding method. build(target, head) -> run, a callable (input_ids) -> (new token list, stats | None);
+    kept so the same method can be rebuilt on a float32 copy of the target to replay a divergence."""
 
-    def __init__(self, name: str, run, depth: int | None = None):
-        self.name, self.run, self.depth = name, run, depth  # depth: the tree depth of a speculative method
+    def __init__(self, name: str, build, model, head, depth: int | None = None):
+        self.name, self.build, self.depth = name, build, depth  # depth: the tree depth of a speculative method
+        self.run = build(model, head)
         self.rows: list[dict] = []
 
 
@@ -157,18 +161,18 @@ def run_bench(args: argparse.Namespace) -> dict:
         options = tree_options(args.tree)
     tree_info["chosen"] = dataclasses.asdict(options)
 
-    methods = [Method("plain", plain_method(model, args.max_new_tokens, eos))]
+    def spec_builder(tree: str | TreeOptions):
+        return lambda target, draft: spec_method(SpeculativeGenerator(target, draft, tokenizer, tree=tree),
+                                                 args.max_new_tokens, args.temperature, eos, args.seed)
+
+    methods = [Method("plain", lambda target, _: plain_method(target, args.max_new_tokens, eos), model, head)]
     if not args.no_pld:
-        methods.append(Method("prompt_lookup", plain_method(model, args.max_new_tokens, eos,
-                                                            prompt_lookup_num_tokens=args.pld_tokens)))
-    spec = SpeculativeGenerator(model, head, tokenizer, tree=options)
-    methods.append(Method(f"speculative_{args.tree}", spec_method(spec, args.max_new_tokens, args.temperature, eos,
-                                                                  args.seed), options.depth))
+        methods.append(Method("prompt_lookup", lambda target, _: plain_method(
+            target, args.max_new_tokens, eos, prompt_lookup_num_tokens=args.pld_tokens), model, head))
+    methods.append(Method(f"speculative_{args.tree}", spec_builder(options), model, head, options.depth))
     compare = [t for t in (args.compare_tree or []) if t != args.tree]
     for name in compare:
-        gen = SpeculativeGenerator(model, head, tokenizer, tree=name)
-        methods.append(Method(f"speculative_{name}", spec_method(gen, args.max_new_tokens, args.temperature, eos,
-                                                                 args.seed), gen.options.depth))
+        methods.append(Method(f"speculative_{name}", spec_builder(name), model, head, tree_options(name).depth))
 
     for _ in range(args.warmup):  # warm-up: allocator, kernels, caches
         for m in methods:
@@ -176,6 +180,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
     mismatches = []
+    reference = reference_head = None  # float32 copies of target and head, made at the first low-precision divergence
     for i, ids in enumerate(tqdm(inputs, desc="bench", unit="prompt")):
         plain_tokens = None
         for m in methods:
@@ -189,10 +194,18 @@ def run_bench(args: argparse.Namespace) -> dict:
                 row["greedy_match"] = tokens == plain_tokens
                 if tokens != plain_tokens:
                     prompt_ids = ids[0].tolist()
+                    if reference is None and dtype != torch.float32:
+                        reference = copy.deepcopy(model).float()
+                        reference_head = copy.deepcopy(head).float().attach_target(reference)
                     div = explain_divergence(model, torch.tensor(prompt_ids + tokens),
-                                             torch.tensor(prompt_ids + plain_tokens))
+                                             torch.tensor(prompt_ids + plain_tokens), reference=reference)
                     if div is not None:  # None: one output stopped early on an equal prefix
-                        mismatches.append({"method": m.name, "prompt": i, **dataclasses.asdict(div)})
+                        info = {"method": m.name, "prompt": i, **dataclasses.asdict(div)}
+                        if not div.is_near_tie and reference is not None:
+                            # not explained by the logits alone: replay both methods in float32
+                            replay = [x.build(reference, reference_head)(ids)[0] for x in (methods[0], m)]
+                            info["float32_replay_match"] = replay[0] == replay[1]
+                        mismatches.append(info)
             m.rows.append(row)
 
     plain_tps = statistics.fmean(r["tokens_per_s"] for r in methods[0].rows)
@@ -200,6 +213,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     main = summaries[f"speculative_{args.tree}"]
     greedy_rows = [r for m in methods[1:] if m.name.startswith("speculative") for r in m.rows if "greedy_match" in r]
     near_ties = [x for x in mismatches if x["is_near_tie"]]
+    replayed = [x for x in mismatches if x.get("float32_replay_match")]
     result = {
         "target": str(args.target),
         "draft": str(args.draft),
@@ -218,7 +232,8 @@ def run_bench(args: argparse.Namespace) -> dict:
         "tau": main["tau"],
         "tokens_per_s": {name: s["tokens_per_s"] for name, s in summaries.items()},
         "greedy_match": (sum(r["greedy_match"] for r in greedy_rows) / len(greedy_rows)) if greedy_rows else None,
-        "greedy_divergences": {"near_tie": len(near_ties), "real_mismatch": len(mismatches) - len(near_ties),
+        "greedy_divergences": {"near_tie": len(near_ties), "float32_replay_match": len(replayed),
+                               "real_mismatch": len(mismatches) - len(near_ties) - len(replayed),
                                "details": mismatches},
         "methods": summaries,
         "per_prompt": {m.name: m.rows for m in methods},
@@ -291,8 +306,9 @@ def main(argv: list[str] | None = None) -> None:
     for name, s in m.items():
         extra = f"  tau {s['tau']:.2f}" if "tau" in s else ""
         print(f"  {name:24s} {s['tokens_per_s']:7.2f} tok/s  speedup {s.get('speedup', 1):.2f}x{extra}")
-    print(f"greedy match {result['greedy_match']}, divergences {result['greedy_divergences']['near_tie']} near-tie "
-          f"/ {result['greedy_divergences']['real_mismatch']} real")
+    div = result["greedy_divergences"]
+    print(f"greedy match {result['greedy_match']}, divergences {div['near_tie']} near-tie / "
+          f"{div['float32_replay_match']} identical when replayed in float32 / {div['real_mismatch']} real")
     print(f"wrote {args.out}")
 
 

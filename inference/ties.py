@@ -2,7 +2,8 @@
 
 In low precision the tree forward and the one-token decode forward add the same numbers in different orders,
 so their logits differ by a rounding error. Speculative greedy output may then leave plain greedy output only
-where the target's top-2 logits are (nearly) tied: within the bf16 spacing at that magnitude.
+where the target's two candidate tokens are (nearly) tied: within the bf16 spacing at that magnitude, or within
+the low-precision error that a float32 copy of the target measures at that position. Anything else is a bug.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ class Divergence:
     top2: tuple[int, int]  # the fresh forward's two best tokens (ties broken arbitrarily)
     gap: float  # |spec_logit - ref_logit|
     resolution: float  # bf16 spacing at the top logit's magnitude
-    is_near_tie: bool  # both tokens within tolerance_ulps * resolution of the top logit
+    is_near_tie: bool  # see explain_divergence
+    exact_gap: float | None = None  # float32 reference (when given): logit(ref token) - logit(spec token)
+    precision_error: float | None = None  # largest |low-precision - float32| logit error of the two tokens
 
     @property
     def gap_ulps(self) -> float:
@@ -55,23 +58,35 @@ def explain_divergence(
     spec_sequence: torch.Tensor,  # (1, n) or (n,) prompt + speculative output
     ref_sequence: torch.Tensor,  # (1, m) or (m,) prompt + plain greedy output
     tolerance_ulps: float = 1.0,
+    reference: nn.Module | None = None,
 ) -> Divergence | None:
-    """None when the sequences are equal (or one stops early on an equal prefix); otherwise the target's
-    logits at the first differing position, from one plain forward over the common prefix in the target's
-    own dtype, and whether the two chosen tokens are a near-tie for the top logit (three-way ties included).
-    In bf16 the logits themselves are bf16 numbers, so tolerance_ulps=1 means "equal or adjacent"."""
+    """None when the sequences are equal (or one stops early on an equal prefix); otherwise the target's logits at
+    the first differing position, from one plain forward over the common prefix in the target's own dtype.
+
+    The divergence is a near-tie when both chosen tokens lie within `tolerance_ulps` bf16 steps of the top logit
+    (three-way ties included), or, given `reference` (the same target in float32), when the float32 logits of the
+    float32 target prefers the plain token over the speculative one by no more than low precision can move the
+    two logits: twice the larger |low - float32| error of the two at this very position (each decoding path may err
+    that much, in opposite directions) plus one bf16 step. When float32 prefers the speculative token, it is the
+    plain low-precision path that strayed. A divergence outside both is a real mismatch: a bug."""
     spec, ref = spec_sequence.reshape(-1), ref_sequence.reshape(-1)
     pos = first_divergence(spec, ref)
     if pos is None or pos >= min(spec.numel(), ref.numel()):
         return None
     device = next(target.parameters()).device
-    logits = target(ref[:pos].view(1, -1).to(device), logits_to_keep=1).logits[0, -1]  # (V,) model dtype
+    prefix = ref[:pos].view(1, -1).to(device)
+    logits = target(prefix, logits_to_keep=1).logits[0, -1]  # (V,) model dtype
     a, b = int(spec[pos]), int(ref[pos])
     la, lb = float(logits[a]), float(logits[b])
     top = torch.topk(logits.float(), 2)
     top2 = tuple(int(i) for i in top.indices)
     best = float(top.values[0])
     res = bf16_resolution(best)
-    gap = abs(la - lb)
     tie = best - min(la, lb) <= tolerance_ulps * res  # both chosen tokens are (nearly) tied for the top
-    return Divergence(pos, a, b, la, lb, top2, gap, res, tie)
+    exact_gap = error = None
+    if reference is not None:
+        exact = reference(prefix, logits_to_keep=1).logits[0, -1].float()  # (V,)
+        exact_gap = float(exact[b] - exact[a])
+        error = max(abs(la - float(exact[a])), abs(lb - float(exact[b])))
+        tie = tie or exact_gap <= 2 * error + res
+    return Divergence(pos, a, b, la, lb, top2, abs(la - lb), res, tie, exact_gap, error)

@@ -91,6 +91,7 @@ def main() -> None:
           f"{bench['speedup_vs_prompt_lookup']:.2f}x vs prompt lookup")
     print(f"greedy match    {bench['greedy_match']:.2%} of prompts "
           f"({bench['greedy_divergences']['near_tie']} bf16 near-tie, "
+          f"{bench['greedy_divergences']['float32_replay_match']} identical when replayed in float32, "
           f"{bench['greedy_divergences']['real_mismatch']} real mismatches)")
     print(f"results         {run_dir / 'bench.json'}, {run_dir / 'bench.png'}")
     print(f"total time      {minutes:.1f} min")

@@ -171,3 +171,8 @@ def test_explain_divergence():
     assert d.position == pos and d.top2 == (int(ref[0, pos]), second) and d.is_near_tie
     assert d.gap == pytest.approx(float(logits[ref[0, pos]] - logits[second]), abs=1e-4)
     assert not explain_divergence(target, other, ref).is_near_tie  # fp32 random logits: a real gap
+    # against a float32 reference (here the target itself: zero precision error) the direction matters: choosing
+    # the exact model's worse token is a real mismatch, choosing its better one means the plain path strayed
+    worse = explain_divergence(target, other, ref, reference=target)
+    assert not worse.is_near_tie and worse.precision_error == 0 and worse.exact_gap == pytest.approx(d.gap, abs=1e-4)
+    assert explain_divergence(target, ref, other, reference=target).is_near_tie

@@ -328,6 +328,7 @@ class Trainer:
         save_head_folder(acc, self.head, final)
         self._write_rank_report(seen)
         acc.print(f"[train] done: {final}")
+        acc.wait_for_everyone()  # no rank tears the process group down while another still uses it
         acc.end_training()
         return final
 

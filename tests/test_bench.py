@@ -1,0 +1,38 @@
+"""inference.bench on a tiny target: the JSON a user quotes, and bf16 divergences that are all explained."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from tiny import tiny_head
+
+from conftest import save_tiny_target
+
+
+def test_bench_json_and_bf16_divergences(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from inference.bench import main
+
+    target_dir = save_tiny_target(tmp_path / "target")
+    target = AutoModelForCausalLM.from_pretrained(target_dir)
+    tiny_head(target, draft_vocab_size=200).save_pretrained(tmp_path / "head")
+    words = ["alpha beta gamma", "one two three four", "red green blue", "sun moon star", "up down left right"]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": w}) + "\n" for w in words))
+    out = tmp_path / "bench.json"
+    torch.manual_seed(0)
+    main(["--target", str(target_dir), "--draft", str(tmp_path / "head"), "--prompts", str(tmp_path / "prompts.jsonl"),
+          "--max-new-tokens", "24", "--tree", "cpu", "--compare-tree", "gpu", "--dtype", "bfloat16",
+          "--threads", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert {"speedup", "tau", "tokens_per_s", "greedy_match", "prompts", "device", "dtype"} <= set(result)
+    assert result["prompts"] == 5 and result["dtype"] == "bfloat16"
+    assert set(result["tokens_per_s"]) == {"plain", "prompt_lookup", "speculative_cpu", "speculative_gpu"}
+    assert result["tau"] >= 1.0 and (tmp_path / "bench.png").exists()
+    steps = result["methods"]["speculative_cpu"]["ms_per_step"]
+    assert steps["verify"] > 0 and steps["draft"] > 0
+    # every bf16 divergence from plain greedy decoding is a near-tie or vanishes when replayed in float32
+    div = result["greedy_divergences"]
+    assert div["real_mismatch"] == 0, div["details"]
+    assert len(div["details"]) == div["near_tie"] + div["float32_replay_match"]
