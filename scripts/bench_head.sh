@@ -1,37 +1,20 @@
 #!/usr/bin/env bash
-# The benchmark head for SmolLM2-135M-Instruct, stage by stage, then the full MT-bench benchmark.
-# Every stage resumes or skips when re-run (collection at the first missing shard, training at the latest
-# checkpoint), so a killed run is continued by running this script again. Outputs: runs/bench-head/.
-#   scripts/bench_head.sh                # all stages
-#   STAGES="train export" scripts/bench_head.sh
-#   DEVICE=cuda ACCELERATE_CONFIG=configs/accelerate/gpu_zero2.yaml CONVERSATIONS=null STEPS=5000 scripts/bench_head.sh
+# The benchmark head for SmolLM2-135M-Instruct: `make demo`'s pipeline (scripts/demo.py) with bigger sizes, then
+# the bench on all 80 MT-bench first turns. Every stage resumes or skips when re-run, so a killed run is continued
+# by running this script again. Outputs: runs/bench-head/. Any DEMO_* variable overrides a size, e.g. on a GPU:
+#   DEMO_DEVICE=cuda DEMO_ACCELERATE_CONFIG=configs/accelerate/gpu_zero2.yaml DEMO_STEPS=5000 scripts/bench_head.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export DRAFTHEAD_CACHE="${DRAFTHEAD_CACHE:-$HOME/.cache/drafthead}"
 TCMALLOC=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 [ -e "$TCMALLOC" ] && export LD_PRELOAD="$TCMALLOC"
-PY=.venv/bin/python
-R=configs/smollm2-135m-eagle3.yaml
-O="device=${DEVICE:-cpu} run_dir=runs/bench-head data.max_conversations=${CONVERSATIONS:-2000} data.max_length=1024
- data.validation_fraction=0.03 train.output_dir=runs/bench-head/head train.max_steps=${STEPS:-120}
- train.save_every=25 train.eval_every=25 train.eval_batches=8 train.warmup_steps=20 train.lr=8e-4
- train.batch_tokens=4096 train.grad_accum=1 train.max_length=1024 train.ttt_steps=4 train.mixed_precision=bf16
- head.draft_vocab_size=8192"
-STAGES="${STAGES:-fetch prepare collect train export bench}"
-for stage in $STAGES; do
-  echo "== $stage"
-  case $stage in
-    fetch)   $PY scripts/fetch_assets.py ;;
-    prepare) [ -d runs/bench-head/prepared ] || $PY -m train.prepare $R $O ;;
-    collect) $PY -m train.collect $R $O ;;
-    train)   .venv/bin/accelerate launch --config_file "${ACCELERATE_CONFIG:-configs/accelerate/cpu_zero2.yaml}" \
-               --num_processes "${PROCESSES:-1}" -m train $R $O ;;
-    export)  $PY -m drafthead.export runs/bench-head/head/final runs/bench-head/export --format eagle3 --force ;;
-    bench)   $PY -m inference.bench --target "$DRAFTHEAD_CACHE/models/SmolLM2-135M-Instruct" \
-               --draft runs/bench-head/export --prompts mt_bench --num-prompts 80 --max-new-tokens 96 \
-               --tree auto --compare-tree gpu --dtype auto --device "${DEVICE:-cpu}" \
-               --out runs/bench-head/bench.json ;;
-    *) echo "unknown stage $stage" >&2; exit 2 ;;
-  esac
-done
+export RUN_DIR="${RUN_DIR:-runs/bench-head}"
+export DEMO_CONVERSATIONS="${DEMO_CONVERSATIONS:-2000}" DEMO_MAX_LENGTH="${DEMO_MAX_LENGTH:-1024}"
+export DEMO_VALIDATION_FRACTION="${DEMO_VALIDATION_FRACTION:-0.03}" DEMO_STEPS="${DEMO_STEPS:-120}"
+export DEMO_SAVE_EVERY="${DEMO_SAVE_EVERY:-25}" DEMO_EVAL_EVERY="${DEMO_EVAL_EVERY:-25}"
+export DEMO_EVAL_BATCHES="${DEMO_EVAL_BATCHES:-8}" DEMO_WARMUP="${DEMO_WARMUP:-20}" DEMO_LR="${DEMO_LR:-8e-4}"
+export DEMO_BATCH_TOKENS="${DEMO_BATCH_TOKENS:-4096}" DEMO_TTT_STEPS="${DEMO_TTT_STEPS:-4}"
+export DEMO_DRAFT_VOCAB="${DEMO_DRAFT_VOCAB:-8192}" DEMO_PRECISION="${DEMO_PRECISION:-bf16}"
+export DEMO_PROMPTS="${DEMO_PROMPTS:-80}" DEMO_NEW_TOKENS="${DEMO_NEW_TOKENS:-96}"
+export DEMO_CALIBRATION_PROMPTS="${DEMO_CALIBRATION_PROMPTS:-3}" DEMO_CALIBRATION_TOKENS="${DEMO_CALIBRATION_TOKENS:-96}"
+exec .venv/bin/python scripts/demo.py

@@ -45,7 +45,9 @@ def main() -> None:
     target = cache / "models" / "SmolLM2-135M-Instruct"
     # bf16 where the CPU multiplies it natively; on AVX2-only CPUs bf16 is emulated and ~8x slower than fp32
     precision = os.environ.get("DEMO_PRECISION") or ("bf16" if cpu_has_bf16() else "fp32")
+    device = os.environ.get("DEMO_DEVICE", "cpu")
     overrides = [
+        f"device={device}",
         f"run_dir={run_dir}",
         f"data.max_conversations={env_int('DEMO_CONVERSATIONS', 120)}",
         f"data.max_length={env_int('DEMO_MAX_LENGTH', 512)}",
@@ -70,13 +72,15 @@ def main() -> None:
         run([PY, "-m", "train.prepare", RECIPE, *overrides])
     run([PY, "-m", "train.collect", RECIPE, *overrides])
     accelerate = str(Path(PY).with_name("accelerate"))
-    run([accelerate, "launch", "--config_file", "configs/accelerate/cpu_zero2.yaml",
+    run([accelerate, "launch", "--config_file",
+         os.environ.get("DEMO_ACCELERATE_CONFIG", "configs/accelerate/cpu_zero2.yaml"),
          "--num_processes", os.environ.get("DEMO_PROCESSES", "1"), "-m", "train", RECIPE, *overrides])
     export = run_dir / "export"
     run([PY, "-m", "drafthead.export", str(run_dir / "head" / "final"), str(export), "--format", "eagle3", "--force"])
     run([PY, "-m", "inference.bench", "--target", str(target), "--draft", str(export), "--prompts", "mt_bench",
          "--num-prompts", str(env_int("DEMO_PROMPTS", 6)), "--max-new-tokens", str(env_int("DEMO_NEW_TOKENS", 96)),
-         "--calibration-prompts", "2", "--calibration-tokens", "64",
+         "--calibration-prompts", str(env_int("DEMO_CALIBRATION_PROMPTS", 2)),
+         "--calibration-tokens", str(env_int("DEMO_CALIBRATION_TOKENS", 64)), "--device", device,
          "--tree", "auto", "--compare-tree", "gpu", "--dtype", "auto", "--out", str(run_dir / "bench.json")])
     bench = json.loads((run_dir / "bench.json").read_text())
     minutes = (time.perf_counter() - started) / 60

@@ -143,7 +143,8 @@ def test_no_hard_coded_device_or_dtype():
     bad = []
     for folder in ("inference", "drafthead"):
         for path in sorted((root / folder).rglob("*.py")):
-            if path.relative_to(root).as_posix() == "drafthead/hardware.py":  # the one place that maps hardware to a default dtype, by design
+            # the one place that maps hardware to a default dtype, by design
+            if path.relative_to(root).as_posix() == "drafthead/hardware.py":
                 continue
             for i, line in enumerate(path.read_text().splitlines(), 1):
                 code = line.split("#")[0]

@@ -9,8 +9,6 @@ after a fully accepted branch), which is where a speculative engine's bugs live.
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,25 +16,22 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from test_trainer import REPO, env
 
 from inference import SpeculativeGenerator
 
-REPO = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 48
-
-
-def chat_ids(tokenizer, prompt: str) -> torch.Tensor:
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                         return_tensors="pt", return_dict=True)["input_ids"]
 
 
 @pytest.fixture(scope="module")
 def prompts(smollm2_path, mt_bench_path) -> list[torch.Tensor]:
+    """The first 5 MT-bench first turns in the target's chat template, as the benchmark builds them."""
     from transformers import AutoTokenizer
 
+    from inference.bench import chat_ids, load_prompts
+
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
-    rows = [json.loads(line) for line in mt_bench_path.read_text().splitlines() if line.strip()][:5]
-    return [chat_ids(tokenizer, row["turns"][0]) for row in rows]
+    return [chat_ids(tokenizer, p, torch.device("cpu")) for p in load_prompts(str(mt_bench_path), 5)]
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +71,7 @@ def trained_head(smollm2, smollm2_path, prompts, references, tmp_path_factory) -
                   "ttt_steps": 3, "mixed_precision": "fp32", "max_length": 256, "online": False, "seed": 0},
     }
     (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
-    for key in ("ACCELERATE_USE_CPU", "ACCELERATE_USE_DEEPSPEED", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        env.pop(key, None)
-    proc = subprocess.run([sys.executable, "-m", "train", str(tmp / "recipe.yaml")], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "train", str(tmp / "recipe.yaml")], cwd=REPO, env=env(),
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return tmp / "out" / "final"
