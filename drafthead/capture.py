@@ -25,6 +25,9 @@ class HiddenStateCapture:
         with HiddenStateCapture(model, [1, 14, 26, 29]) as cap:
             model(input_ids)
         feats = cap.stacked([1, 14, 26])      # (B, T, 3·H)
+
+    attach() keeps the hooks registered beyond one `with` block (they record only inside one): a decoding loop
+    then pays no hook registration per forward, and torch.compile traces the hooks once.
     """
 
     def __init__(self, model: nn.Module, layer_ids: list[int]):
@@ -35,23 +38,43 @@ class HiddenStateCapture:
         self.layers = layers
         self.layer_ids = sorted(set(layer_ids))
         self.outputs: dict[int, torch.Tensor] = {}
+        self.recording = False
         self._handles: list = []
+        self._attached = False  # hooks stay after the `with` block
 
     def _hook(self, layer_id: int):
         def hook(module, args, output):
-            self.outputs[layer_id] = output[0] if isinstance(output, tuple) else output
+            if self.recording:
+                self.outputs[layer_id] = output[0] if isinstance(output, tuple) else output
 
         return hook
 
-    def __enter__(self) -> "HiddenStateCapture":
-        self.outputs.clear()
-        self._handles = [self.layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
+    def _register(self) -> None:
+        if not self._handles:
+            self._handles = [self.layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
+
+    def attach(self) -> "HiddenStateCapture":
+        """Register the hooks until detach(); they record only inside `with` blocks."""
+        self._register()
+        self._attached = True
         return self
 
-    def __exit__(self, *exc) -> None:
+    def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._attached = False
+
+    def __enter__(self) -> "HiddenStateCapture":
+        self.outputs.clear()
+        self._register()
+        self.recording = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.recording = False
+        if not self._attached:
+            self.detach()
 
     def stacked(self, layer_ids: list[int]) -> torch.Tensor:
         """Concatenate the captured outputs of `layer_ids` (in that order) on the feature axis: (B, T, k·H)."""

@@ -80,6 +80,7 @@ class Method:
     def __init__(self, name: str, build, model, head, depth: int | None = None):
         self.name, self.build, self.depth = name, build, depth  # depth: the tree depth of a speculative method
         self.run = build(model, head)
+        self.generator: SpeculativeGenerator | None = getattr(self.run, "generator", None)  # engine methods
         self.rows: list[dict] = []
 
 
@@ -98,6 +99,7 @@ def spec_method(gen: SpeculativeGenerator, max_new_tokens: int, temperature: flo
                            seed=seed if temperature > 0 else None)
         return out.sequences[0, ids.shape[1]:].tolist(), out.stats
 
+    run.generator = gen
     return run
 
 
@@ -134,8 +136,67 @@ def summarise(method: Method, plain_tps: float | None, depth: int | None) -> dic
     return summary
 
 
-def run_bench(args: argparse.Namespace) -> dict:
+def choose_tree(args, model, head, tokenizer, inputs, runner) -> tuple[TreeOptions | None, dict]:
+    """The tree of the main speculative method: a preset, or `auto` (tuned on this hardware and runner; None when
+    plain decoding on the same runner is predicted to be faster than every tree)."""
+    if args.tree != "auto":
+        options = tree_options(args.tree)
+        return options, {"chosen": dataclasses.asdict(options)}
+    from .budget import auto_tree
+
+    calib = [chat_ids(tokenizer, p, inputs[0].device) for p in load_prompts("mt_bench", None)[-args.calibration_prompts:]] \
+        if args.prompts == "mt_bench" else inputs[: args.calibration_prompts]
+    options, report = auto_tree(model, head, calib, max_new_tokens=args.calibration_tokens, runner=runner)
+    return options, {"auto": report, "chosen": dataclasses.asdict(options) if options else "none"}
+
+
+def build_methods(args, model, head, tokenizer, eos, runner, options: TreeOptions | None) -> list[Method]:
+    """plain transformers generate, prompt lookup, the engine's own plain decoding, speculative (main tree and
+    the --compare-tree presets). Engine methods share one runner (one set of KV buffers and compiled graphs); a
+    float32 replay builds them afresh on the reference model."""
+
+    def engine(tree: str | TreeOptions | None):
+        def build(target, draft):
+            own = target is model
+            gen = SpeculativeGenerator(target, draft, tokenizer, tree=tree or "none",
+                                       runner=runner if own else "auto", compile=False if not own else args.compile)
+            return spec_method(gen, args.max_new_tokens, args.temperature, eos, args.seed)
+
+        return build
+
+    methods = [Method("plain", lambda target, _: plain_method(target, args.max_new_tokens, eos), model, head)]
+    if not args.no_pld:
+        methods.append(Method("prompt_lookup", lambda target, _: plain_method(
+            target, args.max_new_tokens, eos, prompt_lookup_num_tokens=args.pld_tokens), model, head))
+    methods.append(Method("engine_plain", engine(None), model, head))
+    methods.append(Method(f"speculative_{args.tree}", engine(options), model, head, options.depth if options else 0))
+    for name in [t for t in (args.compare_tree or []) if t != args.tree]:
+        methods.append(Method(f"speculative_{name}", engine(name), model, head, tree_options(name).depth))
+    return methods
+
+
+def warm_up(methods: list[Method], inputs: list[torch.Tensor], args) -> dict:
+    """Size the engine's buffers for the longest prompt and run every method once (allocator, kernels, and the
+    one-time compile of each verify shape, timed and reported apart from the prompts)."""
+    longest = max(ids.shape[1] for ids in inputs) + args.max_new_tokens
+    compile_s = {}
+    for m in methods:
+        if m.generator is not None:
+            start = time.perf_counter()
+            m.generator.warmup(longest)
+            compile_s[m.name] = time.perf_counter() - start
+    for _ in range(args.warmup):
+        for m in methods:
+            m.run(inputs[0][:, :64])
+    return compile_s
+
+
+def run_bench(args: argparse.Namespace, on_prompt=None) -> dict:
+    """Measure every method on every prompt, interleaved; `on_prompt(result)` receives the summary so far after
+    each prompt (the CLI writes it to disk, so a killed run keeps what it measured)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .generator import make_runner
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -147,40 +208,22 @@ def run_bench(args: argparse.Namespace) -> dict:
     prompts = load_prompts(args.prompts, args.num_prompts)
     inputs = [chat_ids(tokenizer, p, device) for p in prompts]
 
-    base = SpeculativeGenerator.from_pretrained(model, args.draft, tokenizer=tokenizer)
-    head = base.head
-    tree_info: dict[str, Any] = {}
-    if args.tree == "auto":
-        from .budget import auto_tree
-
-        calib = [chat_ids(tokenizer, p, device) for p in load_prompts("mt_bench", None)[-args.calibration_prompts:]] \
-            if args.prompts == "mt_bench" else inputs[: args.calibration_prompts]
-        options, report = auto_tree(model, head, calib, max_new_tokens=args.calibration_tokens)
-        tree_info["auto"] = report
-    else:
-        options = tree_options(args.tree)
-    tree_info["chosen"] = dataclasses.asdict(options)
-
-    def spec_builder(tree: str | TreeOptions):
-        return lambda target, draft: spec_method(SpeculativeGenerator(target, draft, tokenizer, tree=tree),
-                                                 args.max_new_tokens, args.temperature, eos, args.seed)
-
-    methods = [Method("plain", lambda target, _: plain_method(target, args.max_new_tokens, eos), model, head)]
-    if not args.no_pld:
-        methods.append(Method("prompt_lookup", lambda target, _: plain_method(
-            target, args.max_new_tokens, eos, prompt_lookup_num_tokens=args.pld_tokens), model, head))
-    methods.append(Method(f"speculative_{args.tree}", spec_builder(options), model, head, options.depth))
-    compare = [t for t in (args.compare_tree or []) if t != args.tree]
-    for name in compare:
-        methods.append(Method(f"speculative_{name}", spec_builder(name), model, head, tree_options(name).depth))
-
-    for _ in range(args.warmup):  # warm-up: allocator, kernels, caches
-        for m in methods:
-            m.run(inputs[0][:, :64])
+    head = SpeculativeGenerator.from_pretrained(model, args.draft, tokenizer=tokenizer).head
+    args.compile = {"on": True, "off": False, "auto": device.type == "cuda"}.get(args.compile, args.compile)
+    runner = make_runner(model, head.config.aux_layer_ids, args.runner, args.compile)
+    runner.reserve(max(ids.shape[1] for ids in inputs) + args.max_new_tokens)
+    tree_start = time.perf_counter()
+    options, tree_info = choose_tree(args, model, head, tokenizer, inputs, runner)
+    tree_info["tuning_s"] = time.perf_counter() - tree_start
+    methods = build_methods(args, model, head, tokenizer, eos, runner, options)
+    compile_s = warm_up(methods, inputs, args)
+    setup = {"runner": type(runner).__name__, "compile": args.compile, "warmup_s": compile_s,
+             "compile_s_per_shape": dict(getattr(runner, "compile_s", {})), "tree": tree_info}
     from tqdm import tqdm
 
-    mismatches = []
+    mismatches: list[dict] = []
     reference = reference_head = None  # float32 copies of target and head, made at the first low-precision divergence
+    result = {}
     for i, ids in enumerate(tqdm(inputs, desc="bench", unit="prompt")):
         plain_tokens = None
         for m in methods:
@@ -193,43 +236,62 @@ def run_bench(args: argparse.Namespace) -> dict:
             elif args.temperature == 0:
                 row["greedy_match"] = tokens == plain_tokens
                 if tokens != plain_tokens:
-                    prompt_ids = ids[0].tolist()
                     if reference is None and dtype != torch.float32:
                         reference = copy.deepcopy(model).float()
                         reference_head = copy.deepcopy(head).float().attach_target(reference)
-                    div = explain_divergence(model, torch.tensor(prompt_ids + tokens),
-                                             torch.tensor(prompt_ids + plain_tokens), reference=reference)
-                    if div is not None:  # None: one output stopped early on an equal prefix
-                        info = {"method": m.name, "prompt": i, **dataclasses.asdict(div)}
-                        if not div.is_near_tie and reference is not None:
-                            # not explained by the logits alone: replay both methods in float32
-                            replay = [x.build(reference, reference_head)(ids)[0] for x in (methods[0], m)]
-                            info["float32_replay_match"] = replay[0] == replay[1]
-                        mismatches.append(info)
+                    info = explain(model, ids, tokens, plain_tokens, reference, reference_head, methods[0], m)
+                    if info is not None:
+                        mismatches.append({"method": m.name, "prompt": i, **info})
             m.rows.append(row)
+        result = assemble(args, device, dtype, inputs[: i + 1], methods, mismatches, setup)
+        if on_prompt is not None:
+            on_prompt(result)
+    return result
 
+
+def explain(model, ids, tokens, plain_tokens, reference, reference_head, plain: Method, method: Method) -> dict | None:
+    """Classify a greedy divergence (inference.ties); an unexplained one is replayed in float32 with both methods."""
+    prompt_ids = ids[0].tolist()
+    div = explain_divergence(model, torch.tensor(prompt_ids + tokens), torch.tensor(prompt_ids + plain_tokens),
+                             reference=reference)
+    if div is None:  # one output stopped early on an equal prefix
+        return None
+    info = dataclasses.asdict(div)
+    if not div.is_near_tie and reference is not None:
+        replay = [x.build(reference, reference_head)(ids)[0] for x in (plain, method)]
+        info["float32_replay_match"] = replay[0] == replay[1]
+    return info
+
+
+def assemble(args, device, dtype, inputs, methods: list[Method], mismatches: list[dict], setup: dict) -> dict:
+    """The JSON of the run so far."""
     plain_tps = statistics.fmean(r["tokens_per_s"] for r in methods[0].rows)
     summaries = {m.name: summarise(m, plain_tps, m.depth) for m in methods}
     main = summaries[f"speculative_{args.tree}"]
     greedy_rows = [r for m in methods[1:] if m.name.startswith("speculative") for r in m.rows if "greedy_match" in r]
     near_ties = [x for x in mismatches if x["is_near_tie"]]
     replayed = [x for x in mismatches if x.get("float32_replay_match")]
+    engine_tps = summaries["engine_plain"]["tokens_per_s"]
     result = {
         "target": str(args.target),
         "draft": str(args.draft),
         "device": str(device) if device.type != "cpu" else f"cpu ({platform.processor() or platform.machine()}, "
                                                               f"{torch.get_num_threads()} threads)",
+        "cpu_flags": cpu_flags(),
         "dtype": str(dtype).replace("torch.", ""),
         "torch": torch.__version__,
         "tcmalloc": "tcmalloc" in os.environ.get("LD_PRELOAD", ""),
         "prompts": len(inputs),
+        "prompts_planned": args.num_prompts,
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
-        "tree": tree_info,
+        **setup,
         "speedup": main["speedup"],
+        "speedup_vs_engine_plain": main["tokens_per_s"] / engine_tps,
+        "engine_plain_speedup": summaries["engine_plain"]["speedup"],
         "speedup_vs_prompt_lookup": (main["tokens_per_s"] / summaries["prompt_lookup"]["tokens_per_s"]
                                      if "prompt_lookup" in summaries else None),
-        "tau": main["tau"],
+        "tau": main.get("tau"),
         "tokens_per_s": {name: s["tokens_per_s"] for name, s in summaries.items()},
         "greedy_match": (sum(r["greedy_match"] for r in greedy_rows) / len(greedy_rows)) if greedy_rows else None,
         "greedy_divergences": {"near_tie": len(near_ties), "float32_replay_match": len(replayed),
@@ -238,9 +300,27 @@ def run_bench(args: argparse.Namespace) -> dict:
         "methods": summaries,
         "per_prompt": {m.name: m.rows for m in methods},
     }
-    for name in compare:
-        result[f"tau_{name}_tree"] = summaries[f"speculative_{name}"]["tau"]
+    for m in methods:
+        if m.name.startswith("speculative_") and m.name != f"speculative_{args.tree}":
+            result[f"tau_{m.name.removeprefix('speculative_')}_tree"] = summaries[m.name].get("tau")
     return result
+
+
+def cpu_flags() -> list[str]:
+    """The CPU features that decide the fast dtype (AVX2 / AVX512 / AVX512-BF16 / AMX)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return []
+    return sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
+
+
+def write_json(path: Path, result: dict) -> None:
+    """Atomic write (temp file + rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def plot(result: dict, path: Path) -> None:
@@ -288,6 +368,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--calibration-tokens", type=int, default=96)
     p.add_argument("--no-pld", action="store_true", help="skip the prompt-lookup baseline")
     p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens")
+    p.add_argument("--runner", default="auto", choices=["auto", "static", "eager"],
+                   help="the engine's target runner: static KV buffers (auto, where the architecture allows) or eager")
+    p.add_argument("--compile", default="on", choices=["auto", "on", "off"],
+                   help="torch.compile the engine's steps (on: also on CPU, where it pays over a benchmark's length; "
+                        "auto: CUDA only); compile time is reported apart from the prompts")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", help="auto: bf16 where the hardware has it, else float32")
     p.add_argument("--threads", type=int, default=None)
@@ -295,11 +380,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=Path("bench.json"))
     p.add_argument("--plot", type=Path, default=None, help="PNG path (default: next to --out)")
     args = p.parse_args(argv)
-    result = run_bench(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, args.out)
+    result = run_bench(args, on_prompt=lambda partial: write_json(args.out, partial))
+    write_json(args.out, result)
     plot(result, args.plot or args.out.with_suffix(".png"))
     m = result["methods"]
     print(f"\n{result['prompts']} prompts, {result['dtype']} on {result['device']}")

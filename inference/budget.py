@@ -21,7 +21,6 @@ import torch.nn as nn
 
 from drafthead import DraftHead
 
-from .runner import TargetRunner
 from .tree import DraftTree, TreeDrafter, TreeOptions
 
 CALIBRATION_TREE = TreeOptions(depth=8, top_k=10, total_tokens=80)
@@ -43,40 +42,57 @@ class NodeRecord:
     accepted: bool
 
 
-def _median_ms(fn, reps: int) -> float:
+def _median_ms(fn, reps: int, device: torch.device) -> float:
+    """Median wall ms of fn(), waiting for the device's queued work before each reading."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
     for _ in range(reps):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         times.append(1000 * (time.perf_counter() - start))
     return statistics.median(times)
 
 
+def verify_sizes(runner) -> tuple[int, ...]:
+    """Tree sizes (drafted tokens, root excluded) worth measuring: every size on the eager runner; on the static
+    runner only full buckets, since a tree is padded to its bucket (a smaller tree costs the same)."""
+    buckets = getattr(runner, "buckets", None)
+    if buckets is None:
+        return TOTALS
+    return tuple(b - 1 for b in buckets if b > 1) or (0,)
+
+
 @torch.inference_mode()
-def measure_verify_ms(model: nn.Module, head: DraftHead, prefix: torch.Tensor, sizes, reps: int = 5) -> dict[int, float]:
-    """Median ms of one target forward over a chain-shaped tree of n+1 tokens after `prefix` (1, T)."""
-    runner = TargetRunner(model, head.config.aux_layer_ids)
-    runner.prefill(prefix)
+def measure_verify_ms(runner, prefix: torch.Tensor, sizes, reps: int = 5) -> dict[int, float]:
+    """{n: median ms of one target forward over a chain-shaped tree of n drafted tokens + the root after `prefix`
+    (1, T)}; n = 0 is a plain decoding step."""
+    device = prefix.device
     out = {}
-    for n in sizes:
-        tokens = prefix[:, -(n + 1):] if prefix.shape[1] > n else prefix[:, :1].repeat(1, n + 1)
-        depths = torch.arange(n + 1, device=prefix.device)
-        ancestors = torch.ones(n + 1, n + 1, dtype=torch.bool, device=prefix.device).tril()
+    with runner.session():
+        runner.reset(prefix.shape[1])
+        runner.prefill(prefix)
+        for n in (0,) + tuple(sizes):
+            tokens = prefix[:, -(n + 1):] if prefix.shape[1] > n else prefix[:, :1].repeat(1, n + 1)
+            depths = torch.arange(n + 1, device=device)
+            ancestors = torch.ones(n + 1, n + 1, dtype=torch.bool, device=device).tril()
 
-        def step():
-            runner.verify(tokens, depths, ancestors)
-            runner.commit(torch.zeros(0, dtype=torch.long, device=prefix.device), n + 1)
+            def step():
+                runner.verify(tokens, depths, ancestors)
+                runner.commit(torch.zeros(0, dtype=torch.long, device=device), n + 1)
 
-        step()  # warm-up
-        out[n] = _median_ms(step, reps)
+            step()  # warm-up (and the one-time compile of this shape)
+            out[n] = _median_ms(step, reps, device)
     return out
 
 
 @torch.inference_mode()
-def measure_draft_ms(model: nn.Module, head: DraftHead, prefix: torch.Tensor, reps: int = 5) -> dict[tuple[int, int], float]:
+def measure_draft_ms(runner, head: DraftHead, prefix: torch.Tensor, reps: int = 5) -> dict[tuple[int, int], float]:
     """Median ms of drafting a tree of each (depth, top_k), after feeding the prefix's true features."""
-    runner = TargetRunner(model, head.config.aux_layer_ids)
-    _, features = runner.prefill(prefix)
+    with runner.session():
+        runner.reset(prefix.shape[1])
+        _, features = runner.prefill(prefix)
     root = prefix[0, -1:]
     out = {}
     for top_k in TOP_KS:
@@ -84,7 +100,7 @@ def measure_draft_ms(model: nn.Module, head: DraftHead, prefix: torch.Tensor, re
             drafter = TreeDrafter(head, TreeOptions(depth=depth, top_k=top_k, total_tokens=max(TOTALS)))
             drafter.feed(features[:, :-1], prefix[:, 1:], 0)
             drafter.draft(root)  # warm-up
-            out[(depth, top_k)] = _median_ms(lambda: drafter.draft(root), reps)
+            out[(depth, top_k)] = _median_ms(lambda: drafter.draft(root), reps, prefix.device)
     return out
 
 
@@ -147,11 +163,17 @@ def auto_tree(
     calibration_inputs: list[torch.Tensor],
     max_new_tokens: int = 96,
     verbose: bool = True,
-) -> tuple[TreeOptions, dict]:
-    """Choose the tree budget that maximises expected tokens/s on this device and dtype. Returns (options, report)."""
-    from .generator import SpeculativeGenerator
+    runner=None,
+) -> tuple[TreeOptions | None, dict]:
+    """Choose the tree budget that maximises expected tokens/s on this device, dtype and runner (the one the
+    generator will use: pass it; default a new static-or-eager runner). Returns (options, report); options is None
+    when plain decoding on the same runner is predicted to be at least as fast as every tree."""
+    from .generator import SpeculativeGenerator, make_runner
 
-    gen = SpeculativeGenerator(model, head, tree=CALIBRATION_TREE)
+    if runner is None:
+        runner = make_runner(model, head.config.aux_layer_ids)
+    # acceptance does not depend on the runner: record it on the eager one, which takes trees of any size
+    gen = SpeculativeGenerator(model, head, tree=CALIBRATION_TREE, runner="eager")
     records: list[list[NodeRecord]] = []
     overhead_ms = []
 
@@ -165,31 +187,39 @@ def auto_tree(
         steps = max(len(s.accept_lengths), 1)
         overhead_ms.append(1000 * (s.total_time_s - s.draft_time_s - s.verify_time_s) / steps)
         last = out.sequences
+    gen.runner.close()
     prefix = last[:, -256:] if last.shape[1] > 256 else last
-    verify_ms = measure_verify_ms(model, head, prefix, TOTALS)
-    draft_ms = measure_draft_ms(model, head, prefix)
+    sizes = verify_sizes(runner)
+    verify_ms = measure_verify_ms(runner, prefix, sizes)
+    draft_ms = measure_draft_ms(runner, head, prefix)
     overhead = statistics.median(overhead_ms)
+
+    def verify_cost(total: int) -> float:  # a tree is padded to the next measured size
+        return verify_ms[min(n for n in verify_ms if n >= total)]
 
     best, table = None, []
     for depth in DEPTHS:
         for top_k in TOP_KS:
             for total in TOTALS:
-                if total < depth or (top_k == 1 and total != depth):
+                if total < depth or total > max(verify_ms) or (top_k == 1 and total != depth):
                     continue
                 tau = expected_tau(records, depth, top_k, total)
-                step_ms = draft_ms[(depth, top_k)] + verify_ms[total] + overhead
+                step_ms = draft_ms[(depth, top_k)] + verify_cost(total) + overhead
                 tps = 1000 * tau / step_ms
                 table.append((tps, tau, step_ms, depth, top_k, total))
                 if best is None or tps > best[0]:
                     best = table[-1]
     tps, tau, step_ms, depth, top_k, total = best
-    options = TreeOptions(depth=depth, top_k=top_k, total_tokens=total)
+    plain_ms = verify_ms[0] + overhead
+    options = TreeOptions(depth=depth, top_k=top_k, total_tokens=total) if tps > 1000 / plain_ms else None
     gpu = TreeOptions(depth=6, top_k=10, total_tokens=60)
     gpu_tau = expected_tau(records, gpu.depth, gpu.top_k, gpu.total_tokens)
-    gpu_ms = draft_ms[(gpu.depth, gpu.top_k)] + verify_ms[gpu.total_tokens] + overhead
+    gpu_ms = draft_ms[(gpu.depth, gpu.top_k)] + verify_cost(gpu.total_tokens) + overhead
     report = {
-        "chosen": {"depth": depth, "top_k": top_k, "total_tokens": total},
+        "runner": type(runner).__name__,
+        "chosen": {"depth": depth, "top_k": top_k, "total_tokens": total} if options else "none",
         "predicted": {"tau": tau, "step_ms": step_ms, "tokens_per_s": tps},
+        "predicted_plain": {"step_ms": plain_ms, "tokens_per_s": 1000 / plain_ms},
         "predicted_gpu_tree": {"tau": gpu_tau, "step_ms": gpu_ms, "tokens_per_s": 1000 * gpu_tau / gpu_ms},
         "verify_ms": {str(k): v for k, v in verify_ms.items()},
         "draft_ms": {f"{d},{k}": v for (d, k), v in draft_ms.items()},
@@ -199,7 +229,7 @@ def auto_tree(
                            for row in sorted(table, reverse=True)[:5]],
     }
     if verbose:
-        print(f"tree auto: depth={depth} top_k={top_k} total_tokens={total} "
-              f"(predicted tau {tau:.2f}, {step_ms:.1f} ms/step, {tps:.1f} tok/s; "
-              f"plain step {verify_ms[1]:.1f} ms)", flush=True)
+        choice = f"depth={depth} top_k={top_k} total_tokens={total}" if options else "none (plain decoding)"
+        print(f"tree auto: {choice} (best tree: predicted tau {tau:.2f}, {step_ms:.1f} ms/step, {tps:.1f} tok/s; "
+              f"plain step {plain_ms:.1f} ms = {1000 / plain_ms:.1f} tok/s)", flush=True)
     return options, report

@@ -11,6 +11,7 @@ the path is then cut where plain decoding would have stopped.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -105,22 +106,70 @@ class _Stopper:
 
 
 class SpeculativeGenerator:
-    """A frozen target plus a draft head; see the module docstring."""
+    """A frozen target plus a draft head; see the module docstring. tree="none" decodes without drafting (plain
+    greedy/sampled decoding on the same runner: the baseline that separates what the runner buys from what
+    speculation buys); the head may then be None.
 
-    def __init__(self, target: nn.Module, head: DraftHead, tokenizer: Any = None,
-                 tree: str | TreeOptions | None = "cpu", **tree_overrides: int | None):
-        check_compatible(head.config, target.config)
+    runner: "static" (preallocated KV buffers, fixed-shape verify buckets; static_runner.py), "eager" (any HF
+    causal LM, DynamicCache; runner.py) or "auto" (static where the architecture allows, else eager with a one-line
+    message). compile: torch.compile the static runner's steps (CUDA graphs on CUDA); "auto" compiles on CUDA only,
+    because on a CPU one compile costs about a minute per step shape and pays only over long runs (the benchmark
+    passes compile=True). The runner, its buffers and its compiled graphs live as long as the generator.
+    """
+
+    def __init__(self, target: nn.Module, head: DraftHead | None, tokenizer: Any = None,
+                 tree: str | TreeOptions | None = "cpu", runner: Any = "auto", compile: bool | str = "auto",
+                 **tree_overrides: int | None):
+        self.plain = tree == "none"
+        if head is None and not self.plain:
+            raise ValueError("a draft head is needed unless tree='none' (plain decoding)")
+        if head is not None:
+            check_compatible(head.config, target.config)
+            head = head.eval()
         self.target = target.eval()
-        self.head = head.eval()
+        self.head = head
         self.tokenizer = tokenizer
-        self.options = tree_options(tree, **tree_overrides)
+        self.options = None if self.plain else tree_options(tree, **tree_overrides)
         self.device = next(target.parameters()).device
+        if isinstance(runner, str) and runner not in ("auto", "static", "eager"):
+            raise ValueError(f"runner must be 'auto', 'static', 'eager' or a runner object, got {runner!r}")
+        if compile == "auto":
+            compile = self.device.type == "cuda"
+        if compile not in (True, False):
+            raise ValueError(f"compile must be 'auto', True or False, got {compile!r}")
+        self.runner_kind, self.compile = runner, bool(compile)
+        self._runner = None if isinstance(runner, str) else runner  # a runner object is shared, e.g. by the bench
+        self._drafter = None
+
+    @property
+    def runner(self):
+        """The target runner (built on first use, then reused across generate calls; or the one passed in)."""
+        if self._runner is None:
+            self._runner = make_runner(self.target, [] if self.plain else self.head.config.aux_layer_ids,
+                                       self.runner_kind, self.compile)
+        return self._runner
+
+    def warmup(self, max_length: int) -> dict[int, float]:
+        """Size the KV buffers for sequences of up to `max_length` tokens and run one verify step of the shape this
+        generator uses (compiling it when compile is on). Returns the runner's {verify size: seconds of its first
+        call} (empty for the eager runner)."""
+        runner = self.runner
+        runner.reserve(max_length)
+        n = 1 if self.plain else self.options.tree_size
+        ids = torch.zeros(1, 4, dtype=torch.long, device=self.device)
+        with runner.session(), torch.inference_mode():
+            runner.reset(ids.shape[1])
+            runner.prefill(ids)
+            runner.verify(ids[:, :1].repeat(1, n), torch.arange(n, device=self.device),
+                          torch.ones(n, n, dtype=torch.bool, device=self.device).tril())
+            runner.commit(torch.zeros(0, dtype=torch.long, device=self.device), n)
+        return dict(getattr(runner, "compile_s", {}))
 
     @classmethod
     def from_pretrained(
         cls,
         target: str | Path | nn.Module,
-        draft: str | Path | DraftHead,
+        draft: str | Path | DraftHead | None,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         tokenizer: Any = None,
@@ -128,9 +177,11 @@ class SpeculativeGenerator:
         depth: int | None = None,
         top_k: int | None = None,
         total_tokens: int | None = None,
+        runner: str = "auto",
+        compile: bool | str = "auto",
     ) -> "SpeculativeGenerator":
-        """target: HF folder/name or a loaded causal LM; draft: head folder (native or exported) or DraftHead.
-        Raises drafthead.HeadMismatchError when the head was made for another target."""
+        """target: HF folder/name or a loaded causal LM; draft: head folder (native or exported) or DraftHead
+        (None with tree="none"). Raises drafthead.HeadMismatchError when the head was made for another target."""
         dtype = parse_dtype(dtype)
         if isinstance(target, (str, Path)):
             from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -145,12 +196,15 @@ class SpeculativeGenerator:
             model = target
         model = model.to(device=device, dtype=dtype).eval()
         ref = next(model.parameters())
-        if isinstance(draft, DraftHead):
+        if draft is None:
+            head = None
+        elif isinstance(draft, DraftHead):
             check_compatible(draft.config, model.config)
             head = draft.to(device=ref.device, dtype=ref.dtype).attach_target(model)
         else:
             head = load_head(draft, target=model, device=ref.device, dtype=ref.dtype)
-        return cls(model, head, tokenizer, tree, depth=depth, top_k=top_k, total_tokens=total_tokens)
+        return cls(model, head, tokenizer, tree, runner=runner, compile=compile, depth=depth, top_k=top_k,
+                   total_tokens=total_tokens)
 
     @torch.inference_mode()
     def generate(
@@ -193,21 +247,35 @@ class SpeculativeGenerator:
         if input_ids.dim() > 2 or (input_ids.dim() == 2 and input_ids.shape[0] != 1):
             raise ValueError(f"one prompt at a time: input_ids must be (1, T) or (T,), got {tuple(input_ids.shape)}")
         input_ids = input_ids.view(1, -1).to(self.device)
+        runner = self.runner
+        runner.reset(input_ids.shape[1] + max_new_tokens)
+        with runner.session():
+            new, stats = self._decode(runner, input_ids, params, stopper, generator, streamer, on_step)
+        stats.new_tokens = len(new)
+        stats.total_time_s = time.perf_counter() - t_start
+        out = torch.tensor(new, dtype=torch.long, device=self.device).view(1, -1)
+        return GenerationOutput(torch.cat([input_ids, out], dim=1), stats)
+
+    def _decode(self, runner, input_ids, params, stopper, generator, streamer, on_step):
+        """The decoding loop. Host syncs per step: the accepted tokens (`.tolist()`, needed for stop checks and the
+        streamer), the accepted path (`nonzero` in verify_greedy; sampling walks the tree on the host), the tree's
+        depth bound and the top-k frontier bookkeeping inside the drafter; timers synchronise the device."""
         stats = GenerationStats()
+        sync = _synchronizer(self.device)
 
         def pick(logits: torch.Tensor) -> torch.Tensor:  # (1, V) -> (1,)
             if not params.do_sample:
                 return logits.float().argmax(dim=-1)
             return torch.multinomial(target_probs(logits, params), 1, generator=generator)[0]
 
-        runner = TargetRunner(self.target, self.head.config.aux_layer_ids)
-        drafter = TreeDrafter(self.head, self.options)
+        drafter = None if self.plain else TreeDrafter(self.head, self.options)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         t0 = time.perf_counter()
         logits, features = runner.prefill(input_ids)
         first = pick(logits)
         stats.target_forwards += 1
+        sync()
         stats.verify_time_s += time.perf_counter() - t0
         new: list[int] = []
         batch = first.tolist()
@@ -222,8 +290,13 @@ class SpeculativeGenerator:
             if keep is not None:
                 break
             t0 = time.perf_counter()
-            drafter.feed(feed_features, feed_tokens, drafter.stable_length)
-            tree = drafter.draft(torch.tensor(batch[-1:], device=self.device))
+            root = torch.tensor(batch[-1:], device=self.device)
+            if drafter is None:
+                tree = DraftTree.root_only(root)
+            else:
+                drafter.feed(feed_features, feed_tokens, drafter.stable_length)
+                tree = drafter.draft(root)
+            sync()
             t1 = time.perf_counter()
             logits, features = runner.verify(tree.tokens, tree.depths, tree.ancestors)
             if params.do_sample:
@@ -235,14 +308,35 @@ class SpeculativeGenerator:
             if on_step is not None:  # e.g. tree-budget calibration: the verified tree and its accepted path
                 on_step(tree, path)
             batch = new_tokens.tolist()
-            feed_features, feed_tokens = features[:, path], new_tokens.view(1, -1)
+            if drafter is not None:
+                feed_features, feed_tokens = features[:, path], new_tokens.view(1, -1)
             stats.target_forwards += 1
             stats.accept_lengths.append(len(batch))
             stats.draft_time_s += t1 - t0
             stats.verify_time_s += time.perf_counter() - t1
         if streamer is not None:
             streamer.end()
-        stats.new_tokens = len(new)
-        stats.total_time_s = time.perf_counter() - t_start
-        out = torch.tensor(new, dtype=torch.long, device=self.device).view(1, -1)
-        return GenerationOutput(torch.cat([input_ids, out], dim=1), stats)
+        return new, stats
+
+
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    """A function that waits for the device's queued work (so timers measure work, not kernel launches)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def make_runner(model: nn.Module, feature_layers: list[int], kind: str = "auto", compile: bool = False):
+    """The target runner: "static" (preallocated buffers), "eager" (DynamicCache) or "auto" (static where the
+    architecture allows it, else eager with a one-line message)."""
+    from .static_runner import StaticRunner, static_cache_supported
+
+    if kind in ("auto", "static"):
+        reason = static_cache_supported(model)
+        if reason is None:
+            return StaticRunner(model, feature_layers, compile=compile)
+        if kind == "static":
+            raise NotImplementedError(f"the static runner does not support {reason}")
+        print(f"drafthead: {type(model).__name__} has {reason}; using the eager runner (DynamicCache)",
+              file=sys.stderr)
+    return TargetRunner(model, feature_layers)

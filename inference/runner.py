@@ -3,9 +3,12 @@
 prefill() runs the prompt; verify() runs a whole draft tree in ONE forward (4D additive float mask, explicit
 position ids) while HiddenStateCapture hooks record the head's features; commit() compacts the KV cache to the
 accepted path. Masks are built as (B, 1, n, past+n) so batch > 1 can follow; batch 1 is what is used now.
+The reference runner: it works for every architecture (sliding windows included); static_runner.py is the fast one.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn as nn
@@ -21,10 +24,25 @@ class TargetRunner:
     def __init__(self, model: nn.Module, feature_layers: list[int]):
         self.model = model
         self.feature_layers = list(feature_layers)
-        self.capture = HiddenStateCapture(model, self.feature_layers)
+        self.capture = HiddenStateCapture(model, self.feature_layers).attach()
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.cache = DynamicCache()
+
+    def reserve(self, length: int) -> None:
+        """Nothing to preallocate: the DynamicCache grows."""
+
+    def reset(self, length: int = 0) -> None:
+        """Start a new sequence (the cache grows as needed, so `length` is only a hint)."""
+        self.cache = DynamicCache()
+
+    def session(self) -> contextlib.AbstractContextManager:
+        """Context for a decoding session (nothing to switch for the eager runner)."""
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        """Remove the feature hooks from the model."""
+        self.capture.detach()
 
     @property
     def length(self) -> int:

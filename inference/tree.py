@@ -32,6 +32,13 @@ class TreeOptions:
         if self.depth < 1 or self.top_k < 1 or self.total_tokens < 1:
             raise ValueError(f"tree options must all be >= 1, got {self}")
 
+    @property
+    def tree_size(self) -> int:
+        """Nodes of every verification tree (root included): the budget, or all candidates if there are fewer
+        (top_k at depth 1, top_k² at each further depth). Constant per option set, so one verify shape."""
+        candidates = self.top_k + (self.depth - 1) * self.top_k**2
+        return 1 + min(self.total_tokens, candidates)
+
 
 TREE_PRESETS = {
     "cpu": TreeOptions(depth=5, top_k=8, total_tokens=24),  # verifying ~25 tokens costs ~2 decode steps on CPU
@@ -65,6 +72,12 @@ class DraftTree:
     @property
     def size(self) -> int:
         return self.tokens.shape[1]
+
+    @staticmethod
+    def root_only(root: torch.Tensor) -> "DraftTree":
+        """The one-node tree of plain decoding: verify the last emitted token, draft nothing."""
+        zero = torch.zeros(1, dtype=torch.long, device=root.device)
+        return DraftTree(root.view(1, 1), zero - 1, zero, torch.ones(1, 1, dtype=torch.bool, device=root.device))
 
     @staticmethod
     def build(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,

@@ -1,0 +1,223 @@
+"""Fast target runner: preallocated KV buffers written in place, fixed-shape verify steps, optional torch.compile.
+
+Same contract as the eager runner (runner.py): prefill(), verify() of a tree with an ancestor mask and explicit
+positions returning logits + the head's features, commit() of the accepted nodes. Differences:
+
+- KV lives in transformers' `StaticCache` (one buffer per layer, `capacity` slots). A step writes its n tokens at
+  slots past..past+n-1 (StaticLayer.update advances its `cumulative_length`); commit() gathers the accepted slots
+  down to past..past+k-1 with index_copy_ and sets the length back. Nothing is concatenated or reallocated per step,
+  and the buffers keep their addresses (what CUDA graphs need).
+- A tree is padded to the next size in `buckets`, so each bucket is one shape: one compiled graph (one CUDA graph)
+  per bucket, never a recompile while generating. Padded nodes attend only to themselves and are never kept.
+- The attention mask spans the whole buffer, (1, 1, n, capacity): 0 on the cached prefix and on each node's
+  ancestors, dtype-min elsewhere (transformers passes a 4D mask through unchanged).
+- Feature hooks stay registered for the runner's lifetime (compile traces them once).
+
+The runner lives as long as its generator: reset() starts a new sequence in the same buffers; a sequence that
+does not fit grows the buffers to the next power of two (which costs one recompile per bucket).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import torch.nn as nn
+from transformers import StaticCache
+
+from drafthead.capture import HiddenStateCapture
+from drafthead.masks import to_additive
+
+from .attention import NAME as MATMUL_ATTENTION
+from .attention import attention_implementation, prefers_matmul_attention
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+MIN_CAPACITY = 256
+import os
+DYNAMIC = {"none": None, "0": False, "1": True}[os.environ.get("DYN", "none")]
+CPPW = os.environ.get("CPPW", "1") == "1"
+
+
+def static_cache_supported(model: nn.Module) -> str | None:
+    """None if the model can run on static buffers, else the reason (sliding-window or non-attention layers)."""
+    config = model.config.get_text_config(decoder=True)
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return f"sliding-window attention (window {config.sliding_window})"
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        return f"layer types {sorted(kinds)}"
+    return None
+
+
+def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket that holds n tokens."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"a tree of {n} tokens exceeds the largest verify bucket {buckets[-1]}")
+
+
+class StaticRunner:
+    """Target runner over preallocated KV buffers; see the module docstring."""
+
+    def __init__(self, model: nn.Module, feature_layers: list[int], compile: bool = False,
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, capacity: int = MIN_CAPACITY):
+        reason = static_cache_supported(model)
+        if reason is not None:
+            raise NotImplementedError(f"static KV buffers do not support {reason}")
+        self.model = model
+        self.feature_layers = list(feature_layers)
+        self.capture = HiddenStateCapture(model, self.feature_layers).attach() if self.feature_layers else None
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self.buckets = tuple(sorted(buckets))
+        self.compiled = compile
+        # attention kernel while this runner decodes (see attention.py); switched per session, then restored
+        self.attention = MATMUL_ATTENTION if prefers_matmul_attention(self.device, self.dtype) else None
+        self.compile_s: dict[int, float] = {}  # bucket -> seconds of its first (compiling) call
+        self.cache: StaticCache | None = None
+        self.capacity = 0
+        self._length = 0
+        self._step = self._forward
+        if compile:
+            self._step = compile_step(self._forward, self.device)
+        self.reserve(capacity)
+
+    # --------------------------------------------------------------------------------------------- buffers
+    def reserve(self, length: int) -> None:
+        """Make room for `length` tokens plus the largest bucket (grows to a power of two; contents are lost)."""
+        need = length + self.buckets[-1]
+        if need <= self.capacity:
+            return
+        capacity = max(MIN_CAPACITY, 1 << (need - 1).bit_length())
+        config = self.model.config.get_text_config(decoder=True)
+        self.cache = StaticCache(config=config, max_cache_len=capacity)
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.cache.early_initialization(1, heads, head_dim, self.dtype, self.device)
+        self.capacity = capacity
+        self.compile_s.clear()
+        self._length = 0
+
+    def reset(self, length: int = 0) -> None:
+        """Start a new sequence (room for `length` tokens)."""
+        self.reserve(length)
+        self._set_length(0)
+
+    def session(self):
+        """Context for a decoding session: the model dispatches attention to this runner's kernel inside it."""
+        return attention_implementation(self.model, self.attention)
+
+    @property
+    def length(self) -> int:
+        """Number of committed tokens in the buffers."""
+        return self._length
+
+    def _set_length(self, n: int) -> None:
+        self._length = n
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(n)
+
+    # --------------------------------------------------------------------------------------------- forward
+    def _forward(self, input_ids, position_ids, attention_mask):
+        if self.capture is not None:
+            self.capture.recording = True
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                         past_key_values=self.cache, use_cache=True)
+        features = None
+        if self.capture is not None:
+            features = self.capture.stacked(self.feature_layers)
+            self.capture.recording = False
+        return out.logits, features
+
+    def _mask(self, ancestors: torch.Tensor) -> torch.Tensor:
+        """(1, 1, n, capacity) additive mask: the prefix, then the tree's ancestor pattern, nothing after."""
+        n, past = ancestors.shape[0], self._length
+        allowed = torch.zeros(n, self.capacity, dtype=torch.bool, device=self.device)
+        allowed[:, :past] = True
+        allowed[:, past: past + n] = ancestors
+        return to_additive(allowed, self.dtype)
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the prompt (1, T) from an empty sequence (eager: one shape per prompt). Returns (last logits (1, V),
+        features (1, T, F))."""
+        t = input_ids.shape[1]
+        if self._length + t + self.buckets[-1] > self.capacity:
+            self.reserve(self._length + t)
+        self._set_length(0)
+        positions = torch.arange(t, device=self.device).unsqueeze(0)
+        causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
+        logits, features = self._forward(input_ids, positions, self._mask(causal))
+        self._set_length(t)
+        return logits[:, -1], features
+
+    @torch.inference_mode()
+    def verify(
+        self,
+        tokens: torch.Tensor,  # (1, n) tree tokens, root first, parents before children
+        depths: torch.Tensor,  # (n,) depth of each node (root 0)
+        ancestors: torch.Tensor,  # (n, n) bool: node i attends node j (ancestors and itself)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over the tree after the committed prefix, padded to its bucket. Returns (logits (1, n, V),
+        features (1, n, F))."""
+        n = tokens.shape[1]
+        size = bucket_for(n, self.buckets)
+        past = self._length
+        if past + size > self.capacity:
+            raise RuntimeError(f"sequence of {past} tokens + a {size}-token tree exceeds the KV buffers "
+                               f"({self.capacity}); call reset(length) with the full length first")
+        if size > n:  # padded nodes: token 0 at the root's position, attending only to themselves
+            pad = size - n
+            tokens = torch.cat([tokens, tokens.new_zeros(1, pad)], dim=1)
+            depths = torch.cat([depths, depths.new_zeros(pad)])
+            grown = torch.eye(size, dtype=torch.bool, device=self.device)
+            grown[:n, :n] = ancestors
+            ancestors = grown
+        positions = (depths + past).unsqueeze(0)
+        first = size not in self.compile_s
+        start = time.perf_counter()
+        logits, features = self._step(tokens, positions, self._mask(ancestors))
+        if first:
+            self.compile_s[size] = time.perf_counter() - start
+        return logits[:, :n], (features[:, :n] if features is not None else None)
+
+    @torch.inference_mode()
+    def commit(self, keep: torch.Tensor, tree_size: int) -> None:
+        """Keep the tree positions `keep` (indices into the last verified tree, in order); drop the rest."""
+        past = self._length
+        m = keep.shape[0]
+        if m and not torch.equal(keep, torch.arange(m, device=keep.device)):  # a prefix of the tree is in place
+            src = keep.to(self.device) + past
+            dst = torch.arange(past, past + m, device=self.device)
+            for layer in self.cache.layers:  # (1, kv_heads, capacity, head_dim): gather (a copy), then write
+                layer.keys.index_copy_(2, dst, layer.keys.index_select(2, src))
+                layer.values.index_copy_(2, dst, layer.values.index_select(2, src))
+        self._set_length(past + m)
+
+    def close(self) -> None:
+        """Remove the feature hooks from the model."""
+        if self.capture is not None:
+            self.capture.detach()
+
+
+def compile_step(fn, device: torch.device):
+    """torch.compile for a fixed-shape decoding step: CUDA graphs on CUDA; on CPU inductor with frozen
+    (prepacked) weights and the C++ wrapper, the levers that pay at batch 1 (measured in the README)."""
+    import torch._dynamo
+
+    # one graph per verify bucket (and per buffer size): allow them all without falling back to eager
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 256)
+    if device.type == "cuda":
+        return torch.compile(fn, mode="reduce-overhead", dynamic=False)
+    import torch._inductor.config
+
+    # weight prepacking for oneDNN linear; read from the global config (an `options` entry is not honoured)
+    torch._inductor.config.freezing = True
+    return torch.compile(fn, dynamic=DYNAMIC, options={"freezing": True, "cpp_wrapper": CPPW})
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
