@@ -18,6 +18,7 @@ target's, frozen, and never saved.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -192,6 +193,30 @@ class DraftHead(nn.Module):
         if not self.eagle3:
             return draft_ids
         return draft_ids + self.d2t[draft_ids]
+
+    @torch.no_grad()
+    def pruned(self, counts: torch.Tensor, keep: int) -> "DraftHead":
+        """A copy of this EAGLE-3 head drafting only its `keep` most frequent draft tokens (by `counts`, indexed by
+        target id): the matching rows of lm_head and d2t, no retraining. The lm_head over the draft vocabulary is
+        most of a draft step's cost on a CPU; tokens left out can no longer be drafted (they are still emitted by
+        the target, so output is unchanged)."""
+        if not self.eagle3:
+            raise ValueError("only EAGLE-3 heads have a draft vocabulary to prune")
+        size = self.config.draft_vocab_size
+        if not 0 < keep <= size:
+            raise ValueError(f"keep must be in 1..{size}, got {keep}")
+        target_ids = torch.arange(size, device=self.d2t.device) + self.d2t  # (draft,)
+        by_count = torch.sort(-counts.to(target_ids.device)[target_ids].long(), stable=True).indices
+        chosen = torch.sort(by_count[:keep]).values  # draft ids, so target ids stay increasing
+        head = copy.deepcopy(self)
+        head.config = replace(self.config, draft_vocab_size=keep)
+        weight = self.lm_head.weight[chosen]
+        head.lm_head = nn.Linear(weight.shape[1], keep, bias=False, device=weight.device, dtype=weight.dtype)
+        head.lm_head.weight.copy_(weight)
+        head.d2t = target_ids[chosen] - torch.arange(keep, device=chosen.device)
+        head.t2d = torch.zeros_like(self.t2d)
+        head.t2d[target_ids[chosen]] = True
+        return head
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)

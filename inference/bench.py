@@ -209,6 +209,11 @@ def run_bench(args: argparse.Namespace, on_prompt=None) -> dict:
     inputs = [chat_ids(tokenizer, p, device) for p in prompts]
 
     head = SpeculativeGenerator.from_pretrained(model, args.draft, tokenizer=tokenizer).head
+    if args.draft_vocab:
+        from .draft_vocab import assistant_token_counts, default_corpus
+
+        counts = assistant_token_counts(tokenizer, args.vocab_corpus or default_corpus(), head.config.vocab_size)
+        head = head.pruned(counts, args.draft_vocab)
     args.compile = {"on": True, "off": False, "auto": device.type == "cuda"}.get(args.compile, args.compile)
     runner = make_runner(model, head.config.aux_layer_ids, args.runner, args.compile)
     runner.reserve(max(ids.shape[1] for ids in inputs) + args.max_new_tokens)
@@ -275,6 +280,7 @@ def assemble(args, device, dtype, inputs, methods: list[Method], mismatches: lis
     result = {
         "target": str(args.target),
         "draft": str(args.draft),
+        "draft_vocab": args.draft_vocab,
         "device": str(device) if device.type != "cpu" else f"cpu ({platform.processor() or platform.machine()}, "
                                                               f"{torch.get_num_threads()} threads)",
         "cpu_flags": cpu_flags(),
@@ -368,6 +374,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--calibration-tokens", type=int, default=96)
     p.add_argument("--no-pld", action="store_true", help="skip the prompt-lookup baseline")
     p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="prune the head's draft vocabulary to its N most frequent tokens first (inference.draft_vocab)")
+    p.add_argument("--vocab-corpus", type=Path, default=None, help="JSONL conversations for --draft-vocab counts "
+                   "(default: the ShareGPT asset)")
     p.add_argument("--runner", default="auto", choices=["auto", "static", "eager"],
                    help="the engine's target runner: static KV buffers (auto, where the architecture allows) or eager")
     p.add_argument("--compile", default="on", choices=["auto", "on", "off"],

@@ -298,12 +298,12 @@ class SpeculativeGenerator:
                 tree = drafter.draft(root)
             sync()
             t1 = time.perf_counter()
-            logits, features = runner.verify(tree.tokens, tree.depths, tree.ancestors)
+            logits, features, greedy = runner.verify(tree.tokens, tree.depths, tree.ancestors)
             if params.do_sample:
                 probs = target_probs(logits[0], params)
                 path, new_tokens = verify_sampling(probs, tree, generator, children_lists(tree))
             else:
-                path, new_tokens = verify_greedy(logits[0], tree)
+                path, new_tokens = verify_greedy(None, tree, greedy[0])
             runner.commit(path, tree.size)
             if on_step is not None:  # e.g. tree-budget calibration: the verified tree and its accepted path
                 on_step(tree, path)

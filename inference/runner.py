@@ -28,6 +28,9 @@ class TargetRunner:
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.cache = DynamicCache()
+        config = model.config.get_text_config(decoder=True)
+        # tree masks are full attention: exact for a sliding-window model only while the sequence fits the window
+        self.window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
 
     def reserve(self, length: int) -> None:
         """Nothing to preallocate: the DynamicCache grows."""
@@ -80,14 +83,19 @@ class TargetRunner:
         tokens: torch.Tensor,  # (1, n) tree tokens, root first, parents before children
         depths: torch.Tensor,  # (n,) depth of each node (root 0)
         ancestors: torch.Tensor,  # (n, n) bool: node i attends node j (ancestors and itself)
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward over the tree after the cached prefix. Returns (logits (1, n, V), features (1, n, F))."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One forward over the tree after the cached prefix. Returns (logits (1, n, V), features (1, n, F),
+        argmax of the logits (1, n))."""
         past = self.length
         n = tokens.shape[1]
+        if self.window is not None and past + n > self.window:
+            raise NotImplementedError(f"sequence of {past + n} tokens exceeds the target's sliding window "
+                                      f"({self.window}); tree verification needs full attention")
         allowed = torch.cat([torch.ones(n, past, dtype=torch.bool, device=tokens.device), ancestors], dim=1)
         mask = to_additive(allowed, self.dtype)  # (1, 1, n, past+n)
         positions = (depths + past).unsqueeze(0)  # (1, n)
-        return self._forward(tokens, positions, mask)
+        logits, features = self._forward(tokens, positions, mask)
+        return logits, features, logits.argmax(dim=-1)
 
     @torch.inference_mode()
     def commit(self, keep: torch.Tensor, tree_size: int) -> None:

@@ -21,9 +21,12 @@ import torch
 from .tree import DraftTree
 
 
-def verify_greedy(logits: torch.Tensor, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (n, V): the longest path whose every token is the target's argmax after its parent, + bonus."""
-    pred = logits.argmax(dim=-1)  # (n,)
+def verify_greedy(logits: torch.Tensor | None, tree: DraftTree,
+                  pred: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (n, V) or their argmax pred (n,): the longest path whose every token is the target's argmax after
+    its parent, + bonus."""
+    if pred is None:
+        pred = logits.argmax(dim=-1)  # (n,)
     tokens = tree.tokens[0]
     correct = tokens == pred[tree.parents.clamp_min(0)]
     correct[0] = True

@@ -22,8 +22,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DRAFTHEAD_CACHE", Path.home() / ".cache" / "drafthead")).expanduser()
 
 
+RUNNERS = ("static", "eager")  # every losslessness test runs against both target runners
+
+
 @pytest.fixture(params=ARCHS)
 def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture(params=RUNNERS)
+def runner(request) -> str:
+    """The engine's target runner: preallocated static KV buffers, or the eager DynamicCache reference."""
     return request.param
 
 

@@ -64,9 +64,10 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randint(3, vocab, (1, int(torch.randint(1, 14, (1,), generator=g))), generator=g) for _ in range(n)]
 
 
-def assert_lossless(target, head, trees, n_prompts=20, max_new=MAX_NEW, every_tree=False):
+def assert_lossless(target, head, trees, n_prompts=20, max_new=MAX_NEW, every_tree=False, runner="static"):
     """Each prompt against plain greedy decoding, with the tree shapes in turn (or all of them)."""
-    gens = {name: SpeculativeGenerator(target, head.attach_target(target), tree=opt) for name, opt in trees.items()}
+    gens = {name: SpeculativeGenerator(target, head.attach_target(target) if head is not None else None, tree=opt,
+                                       runner=runner) for name, opt in trees.items()}
     names = list(gens)
     for i, ids in enumerate(prompts(n_prompts, target.config.vocab_size)):
         ref = target.generate(ids, do_sample=False, max_new_tokens=max_new)
@@ -77,21 +78,32 @@ def assert_lossless(target, head, trees, n_prompts=20, max_new=MAX_NEW, every_tr
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_greedy_matches_target_eagle3(arch):
+def test_greedy_matches_target_eagle3(arch, runner):
     target = tiny_model(arch)
-    assert_lossless(target, random_head(target, "eagle3"), TREES)
+    assert_lossless(target, random_head(target, "eagle3"), TREES, runner=runner)
 
 
-def test_greedy_matches_target_eagle1():
+def test_greedy_matches_target_eagle1(runner):
     target = tiny_model("qwen2", seed=3)
-    assert_lossless(target, random_head(target, "eagle1"), {"wide": TREES["wide"], "deep": TREES["deep"]})
+    assert_lossless(target, random_head(target, "eagle1"), {"wide": TREES["wide"], "deep": TREES["deep"]},
+                    runner=runner)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_engine_plain_decoding_matches_target(arch, runner):
+    """tree='none': the engine's own plain decoding (no head) is token-identical to transformers' generate."""
+    target = tiny_model(arch)
+    gens = assert_lossless(target, None, {"none": "none"}, n_prompts=8, runner=runner)
+    stats = gens["none"].generate(prompts(1, 320)[0], max_new_tokens=10, eos_token_id=[]).stats
+    assert stats.target_forwards == 10 and set(stats.accept_lengths) == {1}
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
-def test_multi_token_acceptance_is_exercised(arch):
+def test_multi_token_acceptance_is_exercised(arch, runner):
     """A draft that is usually right: long accepted paths (and some rejections) must still be exact."""
     target = near_bigram_target(arch)
-    gens = assert_lossless(target, oracle_head(target), TREES, n_prompts=6, max_new=40, every_tree=True)
+    gens = assert_lossless(target, oracle_head(target), TREES, n_prompts=6, max_new=40, every_tree=True,
+                           runner=runner)
     ids = prompts(1, target.config.vocab_size, seed=5)[0]
     for name, gen in gens.items():
         stats = gen.generate(ids, max_new_tokens=40).stats

@@ -27,8 +27,8 @@ def head_dir(smollm2, tmp_path_factory) -> Path:
 
 
 @pytest.mark.real
-def test_smollm2_greedy_lossless(smollm2, smollm2_path, head_dir):
-    gen = SpeculativeGenerator.from_pretrained(smollm2, head_dir, tree="cpu")
+def test_smollm2_greedy_lossless(smollm2, smollm2_path, head_dir, runner):
+    gen = SpeculativeGenerator.from_pretrained(smollm2, head_dir, tree="cpu", runner=runner)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)

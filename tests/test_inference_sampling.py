@@ -111,10 +111,11 @@ def test_verifier_is_exact(params):
 
 
 @pytest.mark.parametrize("params", SETTINGS[1:], ids=["t0.7-p0.9"])
-def test_generate_samples_exactly(params):
+def test_generate_samples_exactly(params, runner):
     """End to end through SpeculativeGenerator: joint law of the first two new tokens vs the target's own."""
     target = near_bigram_target("llama", eps=0.02, vocab_size=16)
-    gen = SpeculativeGenerator(target, oracle_head(target).attach_target(target), tree=TreeOptions(3, 3, 6))
+    gen = SpeculativeGenerator(target, oracle_head(target).attach_target(target), tree=TreeOptions(3, 3, 6),
+                               runner=runner)
     prompt = torch.tensor([[5, 9, 4]])
     with torch.inference_mode():
         p1 = target_probs(target(prompt).logits[0, -1], params)
@@ -135,9 +136,9 @@ def test_generate_samples_exactly(params):
     assert chi_square_p(counts, expected, draws) > 1e-3
 
 
-def test_seed_reproducible():
+def test_seed_reproducible(runner):
     target = near_bigram_target("qwen2", eps=0.02)
-    gen = SpeculativeGenerator(target, oracle_head(target).attach_target(target), tree="cpu")
+    gen = SpeculativeGenerator(target, oracle_head(target).attach_target(target), tree="cpu", runner=runner)
     prompt = torch.tensor([[5, 9, 4]])
     a = gen.generate(prompt, max_new_tokens=20, temperature=0.8, seed=7).sequences
     b = gen.generate(prompt, max_new_tokens=20, temperature=0.8, seed=7).sequences

@@ -13,10 +13,10 @@ torch.set_num_threads(1)
 MAX_NEW = 30
 
 
-def setup(vocab_size: int = 320, tokenizer=None):
+def setup(runner: str, vocab_size: int = 320, tokenizer=None):
     target = near_bigram_target("llama", vocab_size=vocab_size)
     gen = SpeculativeGenerator(target, oracle_head(target).attach_target(target), tokenizer=tokenizer,
-                               tree="cpu")
+                               tree="cpu", runner=runner)
     return target, gen
 
 
@@ -25,8 +25,8 @@ def cut_inside(stats) -> bool:
     return stats.new_tokens < 1 + sum(stats.accept_lengths)
 
 
-def test_max_new_tokens_inside_path():
-    target, gen = setup()
+def test_max_new_tokens_inside_path(runner):
+    target, gen = setup(runner)
     ids = prompts(1, 320, seed=3)[0]
     inside = 0
     for n in range(1, 16):
@@ -37,8 +37,8 @@ def test_max_new_tokens_inside_path():
     assert inside > 0
 
 
-def test_eos_inside_path():
-    target, gen = setup()
+def test_eos_inside_path(runner):
+    target, gen = setup(runner)
     inside = 0
     for ids in prompts(4, 320, seed=4):
         free = target.generate(ids, do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=None)[0, ids.shape[1]:]
@@ -55,9 +55,9 @@ def test_eos_inside_path():
     assert inside > 0
 
 
-def test_stop_strings_inside_path():
+def test_stop_strings_inside_path(runner):
     tok = tiny_tokenizer()
-    target, gen = setup(vocab_size=len(tok))
+    target, gen = setup(runner, vocab_size=len(tok))
     inside = checked = 0
     for ids in prompts(4, len(tok), seed=5):
         prompt_len = ids.shape[1]
@@ -77,9 +77,9 @@ def test_stop_strings_inside_path():
     assert checked >= 5 and inside > 0
 
 
-def test_streamer_and_generation_config():
+def test_streamer_and_generation_config(runner):
     tok = tiny_tokenizer()
-    target, gen = setup(vocab_size=len(tok))
+    target, gen = setup(runner, vocab_size=len(tok))
     ids = prompts(1, len(tok), seed=6)[0]
     streamer = TextIteratorStreamer(tok, skip_prompt=True)
     out = gen.generate(ids, generation_config=GenerationConfig(max_new_tokens=17, do_sample=False),

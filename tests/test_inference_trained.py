@@ -79,8 +79,8 @@ def trained_head(smollm2, smollm2_path, prompts, references, tmp_path_factory) -
 
 @pytest.mark.real
 @pytest.mark.parametrize("tree", ["chain", "cpu", "gpu"])
-def test_trained_head_fp32_lossless(smollm2, trained_head, prompts, references, tree):
-    gen = SpeculativeGenerator.from_pretrained(smollm2, trained_head, tree=tree)
+def test_trained_head_fp32_lossless(smollm2, trained_head, prompts, references, tree, runner):
+    gen = SpeculativeGenerator.from_pretrained(smollm2, trained_head, tree=tree, runner=runner)
     lengths = []
     for ids, ref in zip(prompts, references):
         out = gen.generate(ids, max_new_tokens=NEW_TOKENS)
@@ -92,7 +92,7 @@ def test_trained_head_fp32_lossless(smollm2, trained_head, prompts, references, 
 
 
 @pytest.mark.real
-def test_trained_head_bf16_divergences_are_near_ties(smollm2, smollm2_path, trained_head, prompts):
+def test_trained_head_bf16_divergences_are_near_ties(smollm2, smollm2_path, trained_head, prompts, runner):
     """bf16: a tree forward and a one-token forward round differently; outputs may part only at near-ties
     (judged against the float32 target, inference.ties)."""
     from transformers import AutoModelForCausalLM
@@ -100,7 +100,7 @@ def test_trained_head_bf16_divergences_are_near_ties(smollm2, smollm2_path, trai
     from inference.ties import explain_divergence
 
     target = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.bfloat16).eval()
-    gen = SpeculativeGenerator.from_pretrained(target, trained_head, tree="cpu")
+    gen = SpeculativeGenerator.from_pretrained(target, trained_head, tree="cpu", runner=runner)
     matches, lengths = 0, []
     for ids in prompts:
         ref = target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS)

@@ -44,8 +44,8 @@ def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, num_layers: i
     if arch == "qwen2":
         return Qwen2Config(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, **common)
     if arch == "mistral":
-        return MistralConfig(sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                             **common)
+        common.setdefault("sliding_window", None)
+        return MistralConfig(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
     raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")
 
 

@@ -1,0 +1,77 @@
+"""Prune a head's draft vocabulary to the tokens a corpus of assistant answers uses most.
+
+On a CPU the head's lm_head over a 32k draft vocabulary costs more than the rest of a draft step; keeping the
+most frequent N tokens (rows of lm_head and d2t, no retraining; `DraftHead.pruned`) makes every drafting depth
+cheaper, at the price of never drafting the rare tokens. Output stays lossless: the target still decides.
+
+    python -m inference.draft_vocab --draft HEAD --target TARGET --keep 8192 --out PRUNED_HEAD
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ASSISTANT = {"gpt", "assistant", "chatgpt", "bard", "bing"}
+
+
+def default_corpus() -> Path:
+    """ShareGPT conversations in the asset cache (scripts/fetch_assets.py)."""
+    cache = Path(os.environ.get("DRAFTHEAD_CACHE", Path.home() / ".cache" / "drafthead")).expanduser()
+    return cache / "data" / "sharegpt.jsonl"
+
+
+def assistant_token_counts(tokenizer: Any, path: str | Path, vocab_size: int, limit: int = 2000) -> torch.Tensor:
+    """Token counts (vocab_size,) over the assistant turns of the first `limit` conversations of a JSONL file
+    (ShareGPT `conversations: [{from, value}]` or OpenAI `messages: [{role, content}]`)."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    path = Path(path)
+    with path.open() as f:
+        for n, line in enumerate(f, 1):
+            if n > limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{path}:{n}: not valid JSON ({e})")
+            turns = row.get("conversations") or row.get("messages") or []
+            texts = [t.get("value", t.get("content", "")) for t in turns
+                     if t.get("from", t.get("role")) in ASSISTANT]
+            for ids in tokenizer(texts, add_special_tokens=False).input_ids if texts else []:
+                counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)[:vocab_size]
+    if counts.sum() == 0:
+        raise SystemExit(f"{path}: no assistant turns found")
+    return counts
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--draft", required=True, help="EAGLE-3 head folder (native or exported)")
+    p.add_argument("--target", required=True, help="the target's HF folder (tokenizer and embeddings)")
+    p.add_argument("--keep", type=int, required=True, help="draft tokens to keep")
+    p.add_argument("--corpus", type=Path, default=None, help="JSONL conversations (default: ShareGPT asset)")
+    p.add_argument("--conversations", type=int, default=2000)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from drafthead import load_head
+    from drafthead.export import export_head
+
+    target = AutoModelForCausalLM.from_pretrained(args.target)
+    head = load_head(args.draft, target=target)
+    counts = assistant_token_counts(AutoTokenizer.from_pretrained(args.target), args.corpus or default_corpus(),
+                                    head.config.vocab_size, args.conversations)
+    export_head(head.pruned(counts, args.keep), args.out)
+    print(f"wrote {args.out}: draft vocabulary {head.config.draft_vocab_size} -> {args.keep}")
+
+
+if __name__ == "__main__":
+    main()

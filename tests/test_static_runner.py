@@ -1,0 +1,143 @@
+"""The static runner: in-place KV buffers, bucket padding, compiled steps without recompiles, attention kernel,
+and the eager fallback for architectures it cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_inference_greedy import near_bigram_target, oracle_head, prompts
+from tiny import tiny_model
+
+from inference import SpeculativeGenerator, TreeOptions
+from inference.attention import matmul_attention
+from inference.runner import TargetRunner
+from inference.static_runner import StaticRunner
+
+torch.set_num_threads(1)
+
+
+def chain(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril()
+
+
+def test_verify_and_commit_match_the_eager_runner():
+    """Same logits and features for a padded tree; after commit the cache holds exactly the accepted path."""
+    target = tiny_model("llama")
+    static = StaticRunner(target, [1, 3], buckets=(1, 8))
+    eager = TargetRunner(target, [1, 3])
+    prompt = prompts(1, 320, seed=1)[0]
+    keys = static.cache.layers[0].keys
+    address = keys.data_ptr()
+    for runner in (static, eager):
+        runner.reset(prompt.shape[1] + 16)
+        runner.prefill(prompt)
+    parents = torch.tensor([-1, 0, 0, 1, 3])  # root, two children, a chain under the first
+    depths = torch.tensor([0, 1, 1, 2, 3])
+    anc = torch.eye(5, dtype=torch.bool)
+    for i in range(1, 5):
+        anc[i] |= anc[int(parents[i])]
+    tokens = torch.tensor([[5, 6, 7, 8, 9]])
+    (ls, fs, gs), (le, fe, ge) = static.verify(tokens, depths, anc), eager.verify(tokens, depths, anc)
+    assert ls.shape == le.shape == (1, 5, 320) and fs.shape == fe.shape
+    assert torch.equal(gs, ge) and torch.equal(gs, ls.argmax(-1))
+    torch.testing.assert_close(ls, le, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fs, fe, rtol=1e-4, atol=1e-4)
+    keep = torch.tensor([0, 1, 3, 4])
+    for runner in (static, eager):
+        runner.commit(keep, 5)
+    assert static.length == eager.length == prompt.shape[1] + 4
+    # the next step sees the compacted path: same logits as the eager reference, which crops by slicing
+    (ls, _, _), (le, _, _) = static.verify(tokens[:, :1], *chain(1)), eager.verify(tokens[:, :1], *chain(1))
+    torch.testing.assert_close(ls, le, rtol=1e-4, atol=1e-4)
+    assert static.cache.layers[0].keys.data_ptr() == address  # written in place, never reallocated
+
+
+def test_buffers_grow_for_long_sequences_and_refuse_overflow():
+    target = tiny_model("llama")
+    runner = StaticRunner(target, [1], buckets=(1, 4), capacity=16)
+    assert runner.capacity == 256  # at least MIN_CAPACITY
+    runner.reset(300)
+    assert runner.capacity == 384  # 300 + the largest bucket, rounded up to a multiple of 128
+    runner.prefill(torch.randint(3, 320, (1, 300)))
+    assert runner.capacity == 384
+    with pytest.raises(RuntimeError, match="exceeds the KV buffers"):
+        for _ in range(60):  # 4 tokens a step: 300 -> 384, then the next step does not fit
+            runner.verify(torch.tensor([[5, 6, 7, 8]]), *chain(4))
+            runner.commit(torch.arange(4), 4)
+    assert runner.length == 384
+
+
+def test_matmul_attention_matches_eager_attention():
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = 3, False
+    q, k, v = torch.randn(1, 9, 5, 16), torch.randn(1, 3, 12, 16), torch.randn(1, 3, 12, 16)
+    mask = torch.zeros(1, 1, 5, 12)
+    mask[..., 9:] = torch.finfo(torch.float32).min
+    ours, _ = matmul_attention(module, q, k, v, mask, scaling=0.25)
+    ref, _ = eager_attention_forward(module, q, k, v, mask, scaling=0.25)
+    torch.testing.assert_close(ours, ref)
+
+
+def test_bf16_static_runner_uses_matmul_attention_and_restores_the_model():
+    target = tiny_model("llama", dtype=torch.bfloat16)
+    gen = SpeculativeGenerator(target, oracle_head(target).to(torch.bfloat16).attach_target(target), tree="chain",
+                               runner="static")
+    before = target.config._attn_implementation
+    gen.generate(prompts(1, 320)[0], max_new_tokens=8)
+    assert gen.runner.attention == "drafthead_matmul"
+    assert target.config._attn_implementation == before  # switched only while decoding
+
+
+def test_sliding_window_target_falls_back_to_eager(capsys):
+    """A sliding-window target runs on the eager runner (exact while the sequence fits the window)."""
+    target = tiny_model("mistral", sliding_window=64)
+    gen = SpeculativeGenerator(target, oracle_head(target).attach_target(target), tree="chain")
+    ids = prompts(1, 320, seed=2)[0]
+    ref = target.generate(ids, do_sample=False, max_new_tokens=12)
+    assert torch.equal(gen.generate(ids, max_new_tokens=12).sequences, ref)
+    assert isinstance(gen.runner, TargetRunner)
+    assert "sliding-window" in capsys.readouterr().err
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        SpeculativeGenerator(target, None, tree="none", runner="static").runner
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        gen.generate(ids, max_new_tokens=70)
+
+
+@pytest.mark.slow
+def test_compiled_runner_is_lossless_without_recompiles():
+    """torch.compile'd verify steps (one graph per bucket): greedy output identical to generate, and a second
+    round of prompts compiles nothing new."""
+    from torch._dynamo.utils import counters
+
+    target = near_bigram_target("llama")
+    head = oracle_head(target).attach_target(target)
+    runner = StaticRunner(target, head.config.aux_layer_ids, compile=True, buckets=(1, 8))
+    spec = SpeculativeGenerator(target, head, tree=TreeOptions(depth=3, top_k=2, total_tokens=6), runner=runner)
+    plain = SpeculativeGenerator(target, None, tree="none", runner=runner)
+    batch = prompts(6, 320, seed=3)
+    for gen in (spec, plain):  # first round compiles buckets 8 and 1
+        gen.warmup(64)
+    assert set(runner.compile_s) == {1, 8}
+    graphs = counters["stats"]["unique_graphs"]
+    for ids in batch:
+        ref = target.generate(ids, do_sample=False, max_new_tokens=20)
+        for gen in (spec, plain):
+            out = gen.generate(ids, max_new_tokens=20)
+            assert torch.equal(out.sequences, ref), ids.tolist()
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompile while generating
+    assert spec.generate(batch[0], max_new_tokens=20).stats.mean_accepted > 1.5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_capture_is_lossless():
+    target = near_bigram_target("llama").cuda()
+    head = oracle_head(target).cuda().attach_target(target)
+    gen = SpeculativeGenerator(target, head, tree="chain", compile=True)
+    gen.warmup(64)
+    for ids in prompts(4, 320, seed=4):
+        ids = ids.cuda()
+        ref = target.generate(ids, do_sample=False, max_new_tokens=20)
+        assert torch.equal(gen.generate(ids, max_new_tokens=20).sequences, ref)
