@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from drafthead import DraftHead
 
+from .head_runner import head_runner_for
 from .tree import DraftTree, TreeDrafter, TreeOptions
 
 CALIBRATION_TREE = TreeOptions(depth=8, top_k=10, total_tokens=80)
@@ -88,8 +89,10 @@ def measure_verify_ms(runner, prefix: torch.Tensor, sizes, reps: int = 5) -> dic
 
 
 @torch.inference_mode()
-def measure_draft_ms(runner, head: DraftHead, prefix: torch.Tensor, reps: int = 5) -> dict[tuple[int, int], float]:
-    """Median ms of drafting a tree of each (depth, top_k), after feeding the prefix's true features."""
+def measure_draft_ms(runner, head: DraftHead, prefix: torch.Tensor, reps: int = 5,
+                     compile: bool = False) -> dict[tuple[int, int], float]:
+    """Median ms of drafting a tree of each (depth, top_k), after feeding the prefix's true features (with the
+    head's shared HeadRunner, compiled or not like the generators that will use it)."""
     with runner.session():
         runner.reset(prefix.shape[1])
         _, features = runner.prefill(prefix)
@@ -97,7 +100,9 @@ def measure_draft_ms(runner, head: DraftHead, prefix: torch.Tensor, reps: int = 
     out = {}
     for top_k in TOP_KS:
         for depth in DEPTHS:
-            drafter = TreeDrafter(head, TreeOptions(depth=depth, top_k=top_k, total_tokens=max(TOTALS)))
+            drafter = TreeDrafter(head, TreeOptions(depth=depth, top_k=top_k, total_tokens=max(TOTALS)),
+                                  head_runner_for(head, compile))
+            drafter.reset(prefix.shape[1])
             drafter.feed(features[:, :-1], prefix[:, 1:], 0)
             drafter.draft(root)  # warm-up
             out[(depth, top_k)] = _median_ms(lambda: drafter.draft(root), reps, prefix.device)
@@ -191,7 +196,7 @@ def auto_tree(
     prefix = last[:, -256:] if last.shape[1] > 256 else last
     sizes = verify_sizes(runner)
     verify_ms = measure_verify_ms(runner, prefix, sizes)
-    draft_ms = measure_draft_ms(runner, head, prefix)
+    draft_ms = measure_draft_ms(runner, head, prefix, compile=getattr(runner, "compiled", False))
     overhead = statistics.median(overhead_ms)
 
     def verify_cost(total: int) -> float:  # a tree is padded to the next measured size

@@ -26,6 +26,7 @@ from drafthead.dtypes import parse_dtype
 
 from .runner import TargetRunner
 from .sampling import SamplingParams, target_probs
+from .head_runner import head_runner_for
 from .tree import DraftTree, TreeDrafter, TreeOptions, tree_options
 from .verify import children_lists, verify_greedy, verify_sampling
 
@@ -139,7 +140,6 @@ class SpeculativeGenerator:
             raise ValueError(f"compile must be 'auto', True or False, got {compile!r}")
         self.runner_kind, self.compile = runner, bool(compile)
         self._runner = None if isinstance(runner, str) else runner  # a runner object is shared, e.g. by the bench
-        self._drafter = None
 
     @property
     def runner(self):
@@ -163,6 +163,8 @@ class SpeculativeGenerator:
             runner.verify(ids[:, :1].repeat(1, n), torch.arange(n, device=self.device),
                           torch.ones(n, n, dtype=torch.bool, device=self.device).tril())
             runner.commit(torch.zeros(0, dtype=torch.long, device=self.device), n)
+        if not self.plain:  # the head's drafting step (compiled once per top-k)
+            self.generate(ids, max_new_tokens=2 * self.options.depth + 2, eos_token_id=[])
         return dict(getattr(runner, "compile_s", {}))
 
     @classmethod
@@ -268,7 +270,10 @@ class SpeculativeGenerator:
                 return logits.float().argmax(dim=-1)
             return torch.multinomial(target_probs(logits, params), 1, generator=generator)[0]
 
-        drafter = None if self.plain else TreeDrafter(self.head, self.options)
+        drafter = None
+        if not self.plain:
+            drafter = TreeDrafter(self.head, self.options, head_runner_for(self.head, self.compile))
+            drafter.reset(input_ids.shape[1] + stopper.max_new)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         t0 = time.perf_counter()

@@ -62,7 +62,7 @@ class TargetRunner:
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
             )
-            features = cap.stacked(self.feature_layers)
+            features = cap.stacked(self.feature_layers) if self.feature_layers else None
         self.cache = out.past_key_values
         return out.logits, features
 

@@ -7,6 +7,8 @@ the top_k frontier nodes (best cumulative draft log-prob), attending the stable 
 ancestors. All candidates are reranked by cumulative log-prob and the best `total_tokens` kept; a child's score is
 never above its parent's and a stable sort puts parents first on ties, so the kept set is always a tree.
 After verification, feed() crops the cache back to P and appends the accepted pairs with their TRUE features.
+The cache is a fixed buffer (head_runner.py): drafted nodes are written after the stable part and simply
+overwritten later, so "cropping" is only moving the stable length.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from drafthead.masks import causal_allowed, to_additive
-from drafthead.model import DraftHead, HeadKVCache
+from drafthead.model import DraftHead
+
+from .head_runner import HeadRunner
 
 
 @dataclass(frozen=True)
@@ -93,43 +96,47 @@ class DraftTree:
 
 
 class TreeDrafter:
-    """Drafts EAGLE-2 trees with a DraftHead, keeping the head's KV cache across steps."""
+    """Drafts EAGLE-2 trees with a DraftHead, keeping the head's KV cache across steps. The head's buffer and
+    (compiled) step live in a HeadRunner, which may be shared by several drafters of the same head."""
 
-    def __init__(self, head: DraftHead, options: TreeOptions):
+    def __init__(self, head: DraftHead, options: TreeOptions, head_runner: HeadRunner | None = None):
         self.head = head
         self.opt = options
         self.dtype = next(head.parameters()).dtype
-        self.cache = HeadKVCache()
+        self.runner = head_runner if head_runner is not None else HeadRunner(head)
+        self.stable = 0  # positions 0..stable-1 hold true pairs
         self.last_hidden: torch.Tensor | None = None  # (1, 1, H) head output at the last true position
 
     @property
     def stable_length(self) -> int:
-        return len(self.cache)
+        return self.stable
+
+    def reset(self, length: int) -> None:
+        """Start a new sequence of up to `length` tokens (room for its deepest tree too)."""
+        self.runner.reserve(length + self.opt.depth * self.opt.top_k + 1)
+        self.stable = 0
+        self.last_hidden = None
 
     @torch.inference_mode()
     def feed(self, features: torch.Tensor, tokens: torch.Tensor, start: int) -> None:
         """Crop the cache to `start`, then append true pairs: features (1, m, F) at positions start.., tokens (1, m)
         = the token after each feature."""
-        self.cache.crop(start)
         m = tokens.shape[1]
+        self.runner.reserve(start + m + self.opt.depth * self.opt.top_k + 1)
+        device = tokens.device
         hidden = self.head.fuse(features.to(self.dtype))  # (1, m, H)
-        positions = torch.arange(start, start + m, device=tokens.device).unsqueeze(0)
-        mask = to_additive(causal_allowed(m, start, tokens.device), self.dtype)  # (1, 1, m, start+m)
-        out = self.head(tokens, hidden, positions, mask, self.cache)
+        positions = torch.arange(start, start + m, device=device).unsqueeze(0)
+        mask = self.runner.mask(torch.ones(m, m, dtype=torch.bool, device=device).tril(), start)
+        out = self.runner.forward(tokens, hidden, positions, mask, positions[0])
+        self.stable = start + m
         self.last_hidden = out[:, -1:]
-
-    def _topk_logp(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden (k0, H) -> (log-probs (k0, k) float32, target ids (k0, k)) of each row's top-k draft tokens."""
-        logp = torch.log_softmax(self.head.logits(hidden).float(), dim=-1)
-        top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
-        return top.values, self.head.draft_to_target(top.indices)
 
     @torch.inference_mode()
     def draft(self, root: torch.Tensor) -> DraftTree:
         """root: (1,) the last emitted token. Returns the verification tree (root + up to total_tokens nodes)."""
         k, device = self.opt.top_k, root.device
-        stable = self.stable_length  # the root sits at position `stable`
-        scores, tokens = self._topk_logp(self.last_hidden[0], k)  # (1, k)
+        stable = self.stable  # the root sits at position `stable`
+        scores, tokens = self.runner.top_k(self.last_hidden[0], k)  # (1, k)
         k = scores.shape[1]
         cand_scores, cand_tokens = [scores[0]], [tokens[0]]
         cand_parents = [torch.full((k,), -1, dtype=torch.long, device=device)]
@@ -137,22 +144,23 @@ class TreeDrafter:
         frontier = torch.arange(k, device=device)  # candidate ids of the nodes to expand
         frontier_scores = scores[0]  # (k,)
         frontier_tokens = tokens[0]  # (k,)
-        parent_hidden = self.last_hidden.expand(1, k, -1)  # (1, k, H)
+        parent_hidden = self.last_hidden.expand(1, k, -1).contiguous()  # (1, k, H)
         parent_fed = None  # (k,) index of each frontier node's parent among fed nodes (None at depth 1)
         fed_allowed = torch.zeros(0, 0, dtype=torch.bool, device=device)  # (f, f) ancestry among fed nodes
         num_cands = k
         for d in range(1, self.opt.depth):
-            # feed the frontier (depth d) at position stable-1+d; it attends the stable cache + its fed ancestors
+            # feed the frontier (depth d) at slots stable+f.., position stable-1+d; it attends the stable
+            # prefix + its fed ancestors + itself
             f = fed_allowed.shape[0]
             eye = torch.eye(k, dtype=torch.bool, device=device)
             rows = torch.zeros(k, f, dtype=torch.bool, device=device) if parent_fed is None else fed_allowed[parent_fed]
             rows = torch.cat([rows, eye], dim=1)  # (k, f+k)
             fed_allowed = torch.cat([torch.cat([fed_allowed, torch.zeros(f, k, dtype=torch.bool, device=device)], 1),
                                      rows], dim=0)
-            allowed = torch.cat([torch.ones(k, stable, dtype=torch.bool, device=device), rows], dim=1)
             positions = torch.full((1, k), stable - 1 + d, dtype=torch.long, device=device)
-            out = self.head(frontier_tokens.unsqueeze(0), parent_hidden, positions, to_additive(allowed, self.dtype), self.cache)
-            logp, child_tokens = self._topk_logp(out[0], k)  # (k, k)
+            slots = torch.arange(stable + f, stable + f + k, device=device)
+            out, logp, child_tokens = self.runner.expand(frontier_tokens.unsqueeze(0), parent_hidden, positions,
+                                                         self.runner.mask(rows, stable), slots, k)  # (k, k)
             child_scores = (frontier_scores[:, None] + logp).flatten()  # (k·k,)
             cand_scores.append(child_scores)
             cand_tokens.append(child_tokens.flatten())
@@ -166,7 +174,6 @@ class TreeDrafter:
             parent_hidden = out[:, owner]
             parent_fed = f + owner
             num_cands += child_scores.shape[0]
-        self.cache.crop(stable)
         return self._select(root, torch.cat(cand_scores), torch.cat(cand_tokens), torch.cat(cand_parents),
                             torch.cat(cand_depths))
 

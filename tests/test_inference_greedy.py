@@ -125,7 +125,7 @@ def test_tree_shape():
             tree = drafter.draft(torch.tensor([7]))
         n = tree.size
         assert n == 1 + min(opt.total_tokens, opt.top_k + (opt.depth - 1) * opt.top_k**2)
-        assert len(drafter.cache) == 5  # the drafted nodes were cropped away
+        assert drafter.stable_length == 5  # the drafted nodes are not part of the stable prefix
         par, dep = tree.parents, tree.depths
         assert par[0] == -1 and dep[0] == 0 and tree.tokens[0, 0] == 7
         assert (par[1:] < torch.arange(1, n)).all() and (par[1:] >= 0).all()

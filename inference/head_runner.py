@@ -1,0 +1,98 @@
+"""The draft head's side of drafting: its KV buffer and its per-depth step, optionally compiled.
+
+The head's single layer keeps its keys/values in a preallocated buffer of `capacity` slots. Every forward writes
+its n tokens at explicit slots (index_copy_, no concatenation) and attends the WHOLE buffer through an additive
+mask, so a drafting depth has one shape — (k frontier tokens, capacity keys) — whatever the sequence length: one
+compiled graph per top-k, shared by every TreeDrafter of the head (the tree tuner's many shapes included).
+Feeding the true pairs after a verification (1..depth+1 tokens, or a whole prompt) runs eagerly.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from drafthead.masks import to_additive
+from drafthead.model import DraftHead
+
+from .static_runner import CAPACITY_STEP, MIN_CAPACITY, compile_step
+
+
+class SlotCache:
+    """Duck-types the `update(keys, values, layer_idx)` call of transformers' attention: writes the new entries at
+    `slots` (a tensor of buffer positions, set before each forward) and returns the whole buffers."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None  # (1, kv_heads, capacity, head_dim)
+        self.values: torch.Tensor | None = None
+        self.slots: torch.Tensor | None = None  # (n,)
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int = 0, *args, **kwargs):
+        self.keys.index_copy_(2, self.slots, keys)
+        self.values.index_copy_(2, self.slots, values)
+        return self.keys, self.values
+
+
+class HeadRunner:
+    """A head's KV buffer plus its drafting step (compiled when asked); see the module docstring."""
+
+    def __init__(self, head: DraftHead, compile: bool = False, capacity: int = MIN_CAPACITY):
+        self.head = head
+        self.dtype = next(head.parameters()).dtype
+        self.device = next(head.parameters()).device
+        self.cache = SlotCache()
+        self.capacity = 0
+        self.compiled = compile
+        self._expand = compile_step(self._expand_eager, self.device) if compile else self._expand_eager
+        self.reserve(capacity)
+
+    def reserve(self, length: int) -> None:
+        """Room for `length` positions (the stable prefix plus the deepest tree's nodes); contents are lost."""
+        if length <= self.capacity:
+            return
+        cfg = self.head.config
+        self.capacity = max(MIN_CAPACITY, -(-length // CAPACITY_STEP) * CAPACITY_STEP)
+        shape = (1, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
+        self.cache.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.cache.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def mask(self, allowed: torch.Tensor, start: int) -> torch.Tensor:
+        """(1, 1, n, capacity) additive mask: every slot before `start`, then `allowed` (n, m) from `start` on."""
+        n, m = allowed.shape
+        full = torch.zeros(n, self.capacity, dtype=torch.bool, device=self.device)
+        full[:, :start] = True
+        full[:, start: start + m] = allowed
+        return to_additive(full, self.dtype)
+
+    def forward(self, tokens, hidden, positions, mask, slots) -> torch.Tensor:
+        """Eager head pass writing its keys/values at `slots`; returns the output hidden (1, n, H)."""
+        self.cache.slots = slots
+        return self.head(tokens, hidden, positions, mask, self.cache)
+
+    def top_k(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden (k0, H) -> (log-probs (k0, k) float32, target ids (k0, k)) of each row's top-k draft tokens."""
+        logp = torch.log_softmax(self.head.logits(hidden).float(), dim=-1)
+        top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+        return top.values, self.head.draft_to_target(top.indices)
+
+    def _expand_eager(self, tokens, hidden, positions, mask, slots, k: int):
+        out = self.forward(tokens, hidden, positions, mask, slots)  # (1, k, H)
+        logp, ids = self.top_k(out[0], k)
+        return out, logp, ids
+
+    def expand(self, tokens, hidden, positions, mask, slots, k: int):
+        """One drafting depth: the frontier (1, k) through the head, then each node's top-k children.
+        Returns (hidden (1, k, H), child log-probs (k, k), child target ids (k, k))."""
+        return self._expand(tokens, hidden, positions, mask, slots, k)
+
+
+_SHARED: "weakref.WeakKeyDictionary[DraftHead, dict[bool, HeadRunner]]" = weakref.WeakKeyDictionary()
+
+
+def head_runner_for(head: DraftHead, compile: bool = False) -> HeadRunner:
+    """The HeadRunner of `head` (one per head and compile setting, shared by every drafter and generator)."""
+    runners = _SHARED.setdefault(head, {})
+    if compile not in runners:
+        runners[compile] = HeadRunner(head, compile=compile)
+    return runners[compile]
