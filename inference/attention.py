@@ -19,6 +19,31 @@ from transformers import AttentionInterface
 NAME = "drafthead_matmul"
 
 
+@torch.library.custom_op("drafthead::prefix_attention", mutates_args=())
+def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                     scaling: float, length: torch.Tensor) -> torch.Tensor:
+    """softmax(q·kᵀ·scaling + mask) · v over the first `length` keys only, with the softmax in float32.
+    query (B, heads, n, D); key/value (B, kv_heads, S, D); mask (B, 1, n, S) additive; length: 0-dim tensor, the
+    used prefix of the buffer (everything after it is masked anyway). Returns (B, n, heads, D).
+    An opaque op, so a compiled step keeps one static shape while the work follows the sequence length."""
+    used = int(length)
+    key, value, mask = key[:, :, :used], value[:, :, :used], mask[..., :used]
+    b, heads, n, d = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads  # query head h reads KV head h // groups
+    q = query.reshape(b, kv_heads, groups * n, d)
+    scores = torch.matmul(q, key.transpose(2, 3)).view(b, heads, n, used) * scaling + mask
+    probs = scores.float().softmax(dim=-1).to(value.dtype)
+    out = torch.matmul(probs.view(b, kv_heads, groups * n, used), value)  # (B, kv_heads, groups·n, D)
+    return out.view(b, heads, n, d).transpose(1, 2).contiguous()
+
+
+@prefix_attention.register_fake
+def _(query, key, value, mask, scaling, length):
+    b, heads, n, d = query.shape
+    return query.new_empty(b, n, heads, d)
+
+
 def matmul_attention(
     module: nn.Module,
     query: torch.Tensor,  # (B, heads, n, D)
@@ -27,19 +52,17 @@ def matmul_attention(
     attention_mask: torch.Tensor | None,  # (B, 1, n, S) additive
     scaling: float,
     dropout: float = 0.0,
+    drafthead_kv_length: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """softmax(q·kᵀ·scaling + mask) · v with the softmax in float32; returns (B, n, heads, D) like transformers'."""
-    b, heads, n, d = query.shape
-    kv_heads, s = key.shape[1], key.shape[2]
-    groups = heads // kv_heads  # query head h reads KV head h // groups
-    q = query.reshape(b, kv_heads, groups * n, d)
-    scores = torch.matmul(q, key.transpose(2, 3)).view(b, heads, n, s) * scaling
-    if attention_mask is not None:
-        scores = scores + attention_mask
-    probs = scores.float().softmax(dim=-1).to(value.dtype)
-    out = torch.matmul(probs.view(b, kv_heads, groups * n, s), value)  # (B, kv_heads, groups·n, D)
-    return out.view(b, heads, n, d).transpose(1, 2).contiguous(), None
+    """transformers' attention-function signature; `drafthead_kv_length` (passed to the model's forward by the
+    static runner) limits the work to the used part of a preallocated buffer."""
+    b, _, n, _ = query.shape
+    if attention_mask is None:
+        attention_mask = query.new_zeros(b, 1, n, key.shape[2])
+    if drafthead_kv_length is None:
+        drafthead_kv_length = torch.tensor(key.shape[2])
+    return prefix_attention(query, key, value, attention_mask, scaling, drafthead_kv_length), None
 
 
 AttentionInterface.register(NAME, matmul_attention)

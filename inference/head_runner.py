@@ -45,17 +45,24 @@ class HeadRunner:
         self.capacity = 0
         self.compiled = compile
         self._expand = compile_step(self._expand_eager, self.device) if compile else self._expand_eager
+        self._feed = compile_step(self._feed_eager, self.device) if compile else self._feed_eager
         self.reserve(capacity)
 
     def reserve(self, length: int) -> None:
-        """Room for `length` positions (the stable prefix plus the deepest tree's nodes); contents are lost."""
+        """Room for `length` positions (the stable prefix plus the deepest tree's nodes); growing keeps the
+        contents but costs a recompile of the compiled steps, so size it up front."""
         if length <= self.capacity:
             return
         cfg = self.head.config
+        old = self.capacity
         self.capacity = max(MIN_CAPACITY, -(-length // CAPACITY_STEP) * CAPACITY_STEP)
         shape = (1, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
-        self.cache.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.cache.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if old:
+            keys[:, :, :old] = self.cache.keys
+            values[:, :, :old] = self.cache.values
+        self.cache.keys, self.cache.values = keys, values
 
     def mask(self, allowed: torch.Tensor, start: int) -> torch.Tensor:
         """(1, 1, n, capacity) additive mask: every slot before `start`, then `allowed` (n, m) from `start` on."""
@@ -80,6 +87,29 @@ class HeadRunner:
         out = self.forward(tokens, hidden, positions, mask, slots)  # (1, k, H)
         logp, ids = self.top_k(out[0], k)
         return out, logp, ids
+
+    def _feed_eager(self, tokens, features, positions, mask, slots, last, k: int):
+        out = self.forward(tokens, self.head.fuse(features), positions, mask, slots)  # (1, m, H)
+        last_hidden = out[:, last]  # (1, 1, H)
+        logp, ids = self.top_k(last_hidden[0], k)
+        return last_hidden, logp, ids
+
+    def feed(self, tokens, features, start: int, k: int, pad_to: int):
+        """Append true pairs (tokens (1, m), target features (1, m, F)) at positions start..start+m-1; returns the
+        head output at the last one (1, 1, H) and its top-k (log-probs (1, k), target ids (1, k)): depth 1 of the
+        next tree. Up to `pad_to` pairs are padded to that size (one compiled shape after every verification; the
+        padding lands in slots the next tree overwrites); a longer feed (the prompt) runs eagerly."""
+        m = tokens.shape[1]
+        size = pad_to if m <= pad_to else m
+        padded = torch.zeros(1, size, dtype=torch.long, device=self.device)
+        padded[:, :m] = tokens
+        feats = torch.zeros(1, size, features.shape[-1], dtype=self.dtype, device=self.device)
+        feats[:, :m] = features
+        positions = torch.arange(start, start + size, device=self.device).unsqueeze(0)
+        mask = self.mask(torch.ones(size, size, dtype=torch.bool, device=self.device).tril(), start)
+        last = torch.tensor([m - 1], device=self.device)
+        step = self._feed if size == pad_to else self._feed_eager
+        return step(padded, feats, positions, mask, positions[0], last, k)
 
     def expand(self, tokens, hidden, positions, mask, slots, k: int):
         """One drafting depth: the frontier (1, k) through the head, then each node's top-k children.

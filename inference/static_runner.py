@@ -118,11 +118,12 @@ class StaticRunner:
             layer.cumulative_length.fill_(n)
 
     # --------------------------------------------------------------------------------------------- forward
-    def _forward(self, input_ids, position_ids, attention_mask):
+    def _forward(self, input_ids, position_ids, attention_mask, kv_length):
         if self.capture is not None:
             self.capture.recording = True
+        extra = {"drafthead_kv_length": kv_length} if self.attention == MATMUL_ATTENTION else {}
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                         past_key_values=self.cache, use_cache=True)
+                         past_key_values=self.cache, use_cache=True, **extra)
         features = None
         if self.capture is not None:
             features = self.capture.stacked(self.feature_layers)
@@ -148,7 +149,7 @@ class StaticRunner:
         self._set_length(0)
         positions = torch.arange(t, device=self.device).unsqueeze(0)
         causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
-        logits, features, _ = self._forward(input_ids, positions, self._mask(causal))
+        logits, features, _ = self._forward(input_ids, positions, self._mask(causal), torch.tensor(t))
         self._set_length(t)
         return logits[:, -1], features
 
@@ -179,7 +180,8 @@ class StaticRunner:
         positions = (depths + past).unsqueeze(0)
         first = size not in self.compile_s
         start = time.perf_counter()
-        logits, features, greedy = self._step(tokens, positions, self._mask(ancestors))
+        kv_length = torch.tensor(past + size)  # buffer slots in use after this step (a host tensor)
+        logits, features, greedy = self._step(tokens, positions, self._mask(ancestors), kv_length)
         if first:
             self.compile_s[size] = time.perf_counter() - start
         return logits[:, :n], (features[:, :n] if features is not None else None), greedy[:, :n]

@@ -106,6 +106,7 @@ class TreeDrafter:
         self.runner = head_runner if head_runner is not None else HeadRunner(head)
         self.stable = 0  # positions 0..stable-1 hold true pairs
         self.last_hidden: torch.Tensor | None = None  # (1, 1, H) head output at the last true position
+        self.first_scores = self.first_tokens = None  # (1, k): its top-k, depth 1 of the next tree
 
     @property
     def stable_length(self) -> int:
@@ -120,23 +121,20 @@ class TreeDrafter:
     @torch.inference_mode()
     def feed(self, features: torch.Tensor, tokens: torch.Tensor, start: int) -> None:
         """Crop the cache to `start`, then append true pairs: features (1, m, F) at positions start.., tokens (1, m)
-        = the token after each feature."""
+        = the token after each feature. Also drafts depth 1 of the next tree (the last pair's top-k)."""
         m = tokens.shape[1]
-        self.runner.reserve(start + m + self.opt.depth * self.opt.top_k + 1)
-        device = tokens.device
-        hidden = self.head.fuse(features.to(self.dtype))  # (1, m, H)
-        positions = torch.arange(start, start + m, device=device).unsqueeze(0)
-        mask = self.runner.mask(torch.ones(m, m, dtype=torch.bool, device=device).tril(), start)
-        out = self.runner.forward(tokens, hidden, positions, mask, positions[0])
+        pad_to = self.opt.depth + 1  # at most depth accepted drafts + the bonus token per verification
+        self.runner.reserve(start + max(m, pad_to) + self.opt.depth * self.opt.top_k + 1)
+        self.last_hidden, self.first_scores, self.first_tokens = self.runner.feed(
+            tokens, features.to(self.dtype), start, self.opt.top_k, pad_to)
         self.stable = start + m
-        self.last_hidden = out[:, -1:]
 
     @torch.inference_mode()
     def draft(self, root: torch.Tensor) -> DraftTree:
         """root: (1,) the last emitted token. Returns the verification tree (root + up to total_tokens nodes)."""
         k, device = self.opt.top_k, root.device
         stable = self.stable  # the root sits at position `stable`
-        scores, tokens = self.runner.top_k(self.last_hidden[0], k)  # (1, k)
+        scores, tokens = self.first_scores, self.first_tokens  # (1, k): depth 1, drafted by feed()
         k = scores.shape[1]
         cand_scores, cand_tokens = [scores[0]], [tokens[0]]
         cand_parents = [torch.full((k,), -1, dtype=torch.long, device=device)]
