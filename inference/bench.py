@@ -150,7 +150,8 @@ def choose_tree(args, model, head, tokenizer, inputs, runner) -> tuple[TreeOptio
     return options, {"auto": report, "chosen": dataclasses.asdict(options) if options else "none"}
 
 
-def build_methods(args, model, head, tokenizer, eos, runner, options: TreeOptions | None) -> list[Method]:
+def build_methods(args, model, head, tokenizer, eos, runner, options: TreeOptions | None,
+                  full_head=None) -> list[Method]:
     """plain transformers generate, prompt lookup, the engine's own plain decoding, speculative (main tree and
     the --compare-tree presets). Engine methods share one runner (one set of KV buffers and compiled graphs); a
     float32 replay builds them afresh on the reference model."""
@@ -170,6 +171,8 @@ def build_methods(args, model, head, tokenizer, eos, runner, options: TreeOption
             target, args.max_new_tokens, eos, prompt_lookup_num_tokens=args.pld_tokens), model, head))
     methods.append(Method("engine_plain", engine(None), model, head))
     methods.append(Method(f"speculative_{args.tree}", engine(options), model, head, options.depth if options else 0))
+    if full_head is not None and options is not None:  # the same tree with the unpruned draft vocabulary
+        methods.append(Method("speculative_full_vocab", engine(options), model, full_head, options.depth))
     for name in [t for t in (args.compare_tree or []) if t != args.tree]:
         methods.append(Method(f"speculative_{name}", engine(name), model, head, tree_options(name).depth))
     return methods
@@ -208,7 +211,7 @@ def run_bench(args: argparse.Namespace, on_prompt=None) -> dict:
     prompts = load_prompts(args.prompts, args.num_prompts)
     inputs = [chat_ids(tokenizer, p, device) for p in prompts]
 
-    head = SpeculativeGenerator.from_pretrained(model, args.draft, tokenizer=tokenizer).head
+    head = full_head = SpeculativeGenerator.from_pretrained(model, args.draft, tokenizer=tokenizer).head
     if args.draft_vocab:
         from .draft_vocab import assistant_token_counts, default_corpus
 
@@ -220,7 +223,8 @@ def run_bench(args: argparse.Namespace, on_prompt=None) -> dict:
     tree_start = time.perf_counter()
     options, tree_info = choose_tree(args, model, head, tokenizer, inputs, runner)
     tree_info["tuning_s"] = time.perf_counter() - tree_start
-    methods = build_methods(args, model, head, tokenizer, eos, runner, options)
+    methods = build_methods(args, model, head, tokenizer, eos, runner, options,
+                            full_head if full_head is not head else None)
     compile_s = warm_up(methods, inputs, args)
     setup = {"runner": type(runner).__name__, "compile": args.compile, "warmup_s": compile_s,
              "compile_s_per_shape": dict(getattr(runner, "compile_s", {})), "tree": tree_info}
@@ -304,7 +308,7 @@ def assemble(args, device, dtype, inputs, methods: list[Method], mismatches: lis
                                "real_mismatch": len(mismatches) - len(near_ties) - len(replayed),
                                "details": mismatches},
         "methods": summaries,
-        "per_prompt": {m.name: m.rows for m in methods},
+        "per_prompt": {m.name: list(m.rows) for m in methods},
     }
     for m in methods:
         if m.name.startswith("speculative_") and m.name != f"speculative_{args.tree}":
@@ -359,7 +363,7 @@ def plot(result: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True)
     p.add_argument("--draft", required=True, help="head folder (native or exported)")
@@ -389,7 +393,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("bench.json"))
     p.add_argument("--plot", type=Path, default=None, help="PNG path (default: next to --out)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     result = run_bench(args, on_prompt=lambda partial: write_json(args.out, partial))
     write_json(args.out, result)
     plot(result, args.plot or args.out.with_suffix(".png"))

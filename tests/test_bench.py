@@ -13,7 +13,7 @@ from conftest import save_tiny_target
 def test_bench_json_and_bf16_divergences(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from inference.bench import main
+    from inference.bench import build_parser, main, run_bench
 
     target_dir = save_tiny_target(tmp_path / "target")
     target = AutoModelForCausalLM.from_pretrained(target_dir)
@@ -24,11 +24,13 @@ def test_bench_json_and_bf16_divergences(tmp_path):
     torch.manual_seed(0)
     main(["--target", str(target_dir), "--draft", str(tmp_path / "head"), "--prompts", str(tmp_path / "prompts.jsonl"),
           "--max-new-tokens", "24", "--tree", "cpu", "--compare-tree", "gpu", "--dtype", "bfloat16",
-          "--threads", "1", "--out", str(out)])
+          "--threads", "1", "--compile", "off", "--out", str(out)])
     result = json.loads(out.read_text())
     assert {"speedup", "tau", "tokens_per_s", "greedy_match", "prompts", "device", "dtype"} <= set(result)
     assert result["prompts"] == 5 and result["dtype"] == "bfloat16"
-    assert set(result["tokens_per_s"]) == {"plain", "prompt_lookup", "speculative_cpu", "speculative_gpu"}
+    assert set(result["tokens_per_s"]) == {"plain", "prompt_lookup", "engine_plain", "speculative_cpu",
+                                           "speculative_gpu"}
+    assert result["speedup_vs_engine_plain"] > 0 and result["runner"] == "StaticRunner"
     assert result["tau"] >= 1.0 and (tmp_path / "bench.png").exists()
     steps = result["methods"]["speculative_cpu"]["ms_per_step"]
     assert steps["verify"] > 0 and steps["draft"] > 0
@@ -36,3 +38,21 @@ def test_bench_json_and_bf16_divergences(tmp_path):
     div = result["greedy_divergences"]
     assert div["real_mismatch"] == 0, div["details"]
     assert len(div["details"]) == div["near_tie"] + div["float32_replay_match"]
+
+
+def test_bench_reports_after_every_prompt(tmp_path):
+    """A long run killed part-way keeps its measurements: the summary is handed out after each prompt."""
+    target_dir = save_tiny_target(tmp_path / "target")
+    from transformers import AutoModelForCausalLM
+
+    from inference.bench import build_parser, run_bench
+
+    tiny_head(AutoModelForCausalLM.from_pretrained(target_dir), draft_vocab_size=200).save_pretrained(tmp_path / "h")
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": w}) + "\n" for w in ["a b", "c d e", "f"]))
+    args = build_parser().parse_args(["--target", str(target_dir), "--draft", str(tmp_path / "h"), "--prompts",
+                                      str(tmp_path / "p.jsonl"), "--max-new-tokens", "8", "--tree", "chain",
+                                      "--compare-tree", "--no-pld", "--compile", "off", "--threads", "1"])
+    partial = []
+    run_bench(args, on_prompt=partial.append)
+    assert [r["prompts"] for r in partial] == [1, 2, 3]
+    assert all(len(r["per_prompt"]["engine_plain"]) == r["prompts"] for r in partial)
