@@ -91,21 +91,28 @@ def measure_verify_ms(runner, prefix: torch.Tensor, sizes, reps: int = 5) -> dic
 @torch.inference_mode()
 def measure_draft_ms(runner, head: DraftHead, prefix: torch.Tensor, reps: int = 5,
                      compile: bool = False) -> dict[tuple[int, int], float]:
-    """Median ms of drafting a tree of each (depth, top_k), after feeding the prefix's true features (with the
-    head's shared HeadRunner, compiled or not like the generators that will use it)."""
+    """Median ms of one drafting step for each (depth, top_k): feeding the true pairs of the last verification
+    (two of them; the feed is padded to depth + 1 anyway) and drafting the next tree, with the head's shared
+    HeadRunner, compiled or not like the generators that will use it."""
     with runner.session():
         runner.reset(prefix.shape[1])
         _, features = runner.prefill(prefix)
     root = prefix[0, -1:]
+    start = prefix.shape[1] - 3  # the prompt fed up to here; each step re-feeds the last two pairs
     out = {}
     for top_k in TOP_KS:
         for depth in DEPTHS:
             drafter = TreeDrafter(head, TreeOptions(depth=depth, top_k=top_k, total_tokens=max(TOTALS)),
                                   head_runner_for(head, compile))
             drafter.reset(prefix.shape[1])
-            drafter.feed(features[:, :-1], prefix[:, 1:], 0)
-            drafter.draft(root)  # warm-up
-            out[(depth, top_k)] = _median_ms(lambda: drafter.draft(root), reps, prefix.device)
+            drafter.feed(features[:, :start], prefix[:, 1: start + 1], 0)
+
+            def step():
+                drafter.feed(features[:, start: start + 2], prefix[:, start + 1: start + 3], start)
+                drafter.draft(root)
+
+            step()  # warm-up (and the one-time compile of this shape)
+            out[(depth, top_k)] = _median_ms(step, reps, prefix.device)
     return out
 
 

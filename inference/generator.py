@@ -156,7 +156,8 @@ class SpeculativeGenerator:
         runner = self.runner
         runner.reserve(max_length)
         n = 1 if self.plain else self.options.tree_size
-        ids = torch.zeros(1, 4, dtype=torch.long, device=self.device)
+        # a prompt as long as the largest bucket: the compiled runner's prefill shape
+        ids = torch.zeros(1, max(getattr(runner, "buckets", (4,))[-1], 4), dtype=torch.long, device=self.device)
         with runner.session(), torch.inference_mode():
             runner.reset(ids.shape[1])
             runner.prefill(ids)

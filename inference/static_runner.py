@@ -141,12 +141,26 @@ class StaticRunner:
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the prompt (1, T) from an empty sequence (eager: one shape per prompt). Returns (last logits (1, V),
-        features (1, T, F))."""
+        """Run the prompt (1, T) from an empty sequence. Returns (last logits (1, V), features (1, T, F)).
+        Compiled: in chunks of the largest bucket through its compiled verify graph (a chain is a causal chunk;
+        the last chunk is padded), so no prompt length costs a compile; measured on SmolLM2 bf16, a 60-token
+        prompt takes 65 ms this way, 103 ms as one eager forward (77 ms in transformers' generate). Otherwise one
+        eager forward."""
         t = input_ids.shape[1]
-        if self._length + t + self.buckets[-1] > self.capacity:
-            self.reserve(self._length + t)
+        if t + self.buckets[-1] > self.capacity:
+            self.reserve(t)
         self._set_length(0)
+        if self.compiled:
+            chunk, features = self.buckets[-1], []
+            for start in range(0, t, chunk):
+                piece = input_ids[:, start: start + chunk]
+                m = piece.shape[1]
+                logits, feats, _ = self.verify(piece, torch.arange(m, device=self.device),
+                                               torch.ones(m, m, dtype=torch.bool, device=self.device).tril(),
+                                               size=chunk)
+                self._set_length(start + m)  # the chunk is its own accepted path, already in place
+                features.append(feats)
+            return logits[:, -1], (torch.cat(features, dim=1) if features[0] is not None else None)
         positions = torch.arange(t, device=self.device).unsqueeze(0)
         causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
         logits, features, _ = self._forward(input_ids, positions, self._mask(causal), torch.tensor(t))
@@ -159,11 +173,12 @@ class StaticRunner:
         tokens: torch.Tensor,  # (1, n) tree tokens, root first, parents before children
         depths: torch.Tensor,  # (n,) depth of each node (root 0)
         ancestors: torch.Tensor,  # (n, n) bool: node i attends node j (ancestors and itself)
+        size: int | None = None,  # the bucket to pad to (default: the smallest that holds the tree)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One forward over the tree after the committed prefix, padded to its bucket. Returns (logits (1, n, V),
         features (1, n, F), argmax of the logits (1, n))."""
         n = tokens.shape[1]
-        size = bucket_for(n, self.buckets)
+        size = bucket_for(n, self.buckets) if size is None else size
         past = self._length
         if past + size > self.capacity:
             raise RuntimeError(f"sequence of {past} tokens + a {size}-token tree exceeds the KV buffers "
@@ -216,8 +231,13 @@ def compile_step(fn, device: torch.device):
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 256)
     # the target is frozen: skip re-checking its ~300 parameters on every call (~0.8 ms of guards per step)
     options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-    if device.type == "cuda":
-        return torch.compile(fn, dynamic=False, options={**options, "triton.cudagraphs": True})  # reduce-overhead
+    if device.type == "cuda":  # mode="reduce-overhead": CUDA graphs
+        graphed = torch.compile(fn, dynamic=False, options={**options, "triton.cudagraphs": True})
+
+        def run(*args):  # a graph's outputs are overwritten by the next replay: keep copies
+            return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in graphed(*args))
+
+        return run
     import torch._inductor.config
 
     # weight prepacking for oneDNN linear; read from the global config (an `options` entry is not honoured)

@@ -91,7 +91,10 @@ def main() -> None:
     print(f"tree (auto)     {bench['tree']['chosen']}")
     print(f"tau             {bench['tau']:.2f} tokens per target forward (auto tree); "
           f"{bench.get('tau_gpu_tree', float('nan')):.2f} with the GPU default tree")
+    print(f"engine plain    {bench['engine_plain_speedup']:.2f}x vs plain generate ({bench['runner']}, "
+          f"compile {'on' if bench['compile'] else 'off'}: the runner alone, no drafting)")
     print(f"speedup         {bench['speedup']:.2f}x vs plain generate, "
+          f"{bench['speedup_vs_engine_plain']:.2f}x vs the engine's own plain decoding, "
           f"{bench['speedup_vs_prompt_lookup']:.2f}x vs prompt lookup")
     print(f"greedy match    {bench['greedy_match']:.2%} of prompts "
           f"({bench['greedy_divergences']['near_tie']} bf16 near-tie, "
