@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from .generator import SpeculativeGenerator
+from .jsonl import iter_jsonl
 from drafthead.hardware import resolve_dtype
 from .ties import explain_divergence
 from .tree import TreeOptions, tree_options
@@ -43,13 +44,7 @@ def load_prompts(spec: str, limit: int | None) -> list[str]:
     else:
         path = Path(spec)
     prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"{path}:{n}: not valid JSON ({e})")
+    for n, row in iter_jsonl(path):
         if "turns" in row:
             prompts.append(row["turns"][0])
         elif "prompt" in row:

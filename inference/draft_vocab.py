@@ -10,12 +10,13 @@ cheaper, at the price of never drafting the rare tokens. Output stays lossless: 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .jsonl import iter_jsonl
 
 ASSISTANT = {"gpt", "assistant", "chatgpt", "bard", "bing"}
 
@@ -30,22 +31,11 @@ def assistant_token_counts(tokenizer: Any, path: str | Path, vocab_size: int, li
     """Token counts (vocab_size,) over the assistant turns of the first `limit` conversations of a JSONL file
     (ShareGPT `conversations: [{from, value}]` or OpenAI `messages: [{role, content}]`)."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
-    path = Path(path)
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
-            if n > limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"{path}:{n}: not valid JSON ({e})")
-            turns = row.get("conversations") or row.get("messages") or []
-            texts = [t.get("value", t.get("content", "")) for t in turns
-                     if t.get("from", t.get("role")) in ASSISTANT]
-            for ids in tokenizer(texts, add_special_tokens=False).input_ids if texts else []:
-                counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)[:vocab_size]
+    for _, row in iter_jsonl(path, limit):
+        turns = row.get("conversations") or row.get("messages") or []
+        texts = [t.get("value", t.get("content", "")) for t in turns if t.get("from", t.get("role")) in ASSISTANT]
+        for ids in tokenizer(texts, add_special_tokens=False).input_ids if texts else []:
+            counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)[:vocab_size]
     if counts.sum() == 0:
         raise SystemExit(f"{path}: no assistant turns found")
     return counts

@@ -1,0 +1,22 @@
+"""Read a JSONL file row by row; a malformed line is reported as `file:line`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def iter_jsonl(path: str | Path, limit: int | None = None) -> Iterator[tuple[int, dict]]:
+    """(line number, row) for each non-empty line, up to line `limit`; SystemExit naming file:line on bad JSON."""
+    path = Path(path)
+    with path.open() as f:
+        for n, line in enumerate(f, 1):
+            if limit is not None and n > limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                yield n, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{path}:{n}: not valid JSON ({e})")
