@@ -18,6 +18,16 @@ def to_additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask
 
 
+def buffer_mask(allowed: torch.Tensor, start: int, capacity: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask (1, 1, n, capacity) over a preallocated KV buffer: every slot before `start`, then the bool
+    pattern `allowed` (n, m) in slots start..start+m-1, nothing after."""
+    n, m = allowed.shape
+    full = torch.zeros(n, capacity, dtype=torch.bool, device=allowed.device)
+    full[:, :start] = True
+    full[:, start: start + m] = allowed
+    return to_additive(full, dtype)
+
+
 def causal_allowed(q_len: int, past_len: int = 0, device: torch.device | str | None = None) -> torch.Tensor:
     """bool (q_len, past_len + q_len): query i sees every past key and new keys 0..i."""
     new = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()

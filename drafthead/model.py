@@ -31,63 +31,32 @@ FROZEN_PREFIXES = ("embed_tokens.", "target_norm.", "target_lm_head.")
 
 
 class HeadKVCache:
-    """Key/value cache of the head's single layer, croppable to a prefix.
+    """Append-only key/value cache of the head's single layer, croppable to a prefix.
 
-    Entries live in a preallocated buffer that doubles when full, so appending a drafting depth writes in place
-    instead of concatenating the whole cache. Duck-types the `update(keys, values, layer_idx)` call that
-    transformers' attention modules make. keys/values: (B, kv_heads, S, head_dim) views of the first S slots.
+    Duck-types the `update(keys, values, layer_idx)` call that transformers' attention modules make.
+    keys/values: (B, kv_heads, S, head_dim).
     """
 
-    def __init__(self, capacity: int = 256) -> None:
-        self.initial_capacity = capacity
-        self._keys: torch.Tensor | None = None  # (B, kv_heads, capacity, head_dim)
-        self._values: torch.Tensor | None = None
-        self.length = 0
-
-    def _grow(self, keys: torch.Tensor, values: torch.Tensor, need: int) -> None:
-        capacity = max(self.initial_capacity, need, 2 * (0 if self._keys is None else self._keys.shape[-2]))
-        new_k = keys.new_empty(*keys.shape[:-2], capacity, keys.shape[-1])
-        new_v = values.new_empty(*values.shape[:-2], capacity, values.shape[-1])
-        if self._keys is not None and self.length:
-            new_k[..., : self.length, :] = self._keys[..., : self.length, :]
-            new_v[..., : self.length, :] = self._values[..., : self.length, :]
-        self._keys, self._values = new_k, new_v
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int = 0, *args, **kwargs):
-        end = self.length + keys.shape[-2]
-        if self._keys is not None and (self._keys.shape[:-2] != keys.shape[:-2] or self._keys.dtype != keys.dtype):
-            if self.length:
-                raise ValueError("batch, heads or dtype changed while entries are cached")
-            self._keys = self._values = None
-        if self._keys is None or end > self._keys.shape[-2]:
-            self._grow(keys, values, end)
-        self._keys[..., self.length: end, :] = keys
-        self._values[..., self.length: end, :] = values
-        self.length = end
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = torch.cat([self.keys, keys], dim=-2)
+            self.values = torch.cat([self.values, values], dim=-2)
         return self.keys, self.values
 
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return None if self._keys is None else self._keys[..., : self.length, :]
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return None if self._values is None else self._values[..., : self.length, :]
-
     def __len__(self) -> int:
-        return self.length
-
-    def __copy__(self) -> "HeadKVCache":
-        """An independent cache holding the same entries (branches must not write into each other's buffer)."""
-        other = HeadKVCache(self.initial_capacity)
-        if self._keys is not None:
-            other._keys, other._values = self._keys.clone(), self._values.clone()
-        other.length = self.length
-        return other
+        return 0 if self.keys is None else self.keys.shape[-2]
 
     def crop(self, length: int) -> None:
         """Keep the first `length` cached positions."""
-        self.length = min(length, self.length)
+        if self.keys is not None:
+            self.keys = self.keys[..., :length, :]
+            self.values = self.values[..., :length, :]
 
 
 class DecoderLayer(nn.Module):

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from drafthead import DraftHead
+from drafthead.masks import causal_allowed
 
 from .head_runner import head_runner_for
 from .tree import DraftTree, TreeDrafter, TreeOptions
@@ -77,7 +78,7 @@ def measure_verify_ms(runner, prefix: torch.Tensor, sizes, reps: int = 5) -> dic
         for n in (0,) + tuple(sizes):
             tokens = prefix[:, -(n + 1):] if prefix.shape[1] > n else prefix[:, :1].repeat(1, n + 1)
             depths = torch.arange(n + 1, device=device)
-            ancestors = torch.ones(n + 1, n + 1, dtype=torch.bool, device=device).tril()
+            ancestors = causal_allowed(n + 1, 0, device)
 
             def step():
                 runner.verify(tokens, depths, ancestors)

@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from drafthead import DraftHead, check_compatible, load_head
 from drafthead.dtypes import parse_dtype
+from drafthead.masks import causal_allowed
 
 from .runner import TargetRunner
 from .sampling import SamplingParams, target_probs
@@ -163,7 +164,7 @@ class SpeculativeGenerator:
             runner.reset(ids.shape[1])
             runner.prefill(ids)
             runner.verify(ids[:, :1].repeat(1, n), torch.arange(n, device=self.device),
-                          torch.ones(n, n, dtype=torch.bool, device=self.device).tril())
+                          causal_allowed(n, 0, self.device))
             runner.commit(torch.zeros(0, dtype=torch.long, device=self.device), n)
         if not self.plain:  # the head's drafting step (compiled once per top-k)
             self.generate(ids, max_new_tokens=2 * self.options.depth + 2, eos_token_id=[])

@@ -13,10 +13,10 @@ import weakref
 
 import torch
 
-from drafthead.masks import to_additive
+from drafthead.masks import buffer_mask, causal_allowed
 from drafthead.model import DraftHead
 
-from .static_runner import CAPACITY_STEP, MIN_CAPACITY, compile_step
+from .static_runner import MIN_CAPACITY, buffer_capacity, compile_step
 
 
 class SlotCache:
@@ -55,7 +55,7 @@ class HeadRunner:
             return
         cfg = self.head.config
         old = self.capacity
-        self.capacity = max(MIN_CAPACITY, -(-length // CAPACITY_STEP) * CAPACITY_STEP)
+        self.capacity = buffer_capacity(length)
         shape = (1, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
         keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         values = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -66,11 +66,7 @@ class HeadRunner:
 
     def mask(self, allowed: torch.Tensor, start: int) -> torch.Tensor:
         """(1, 1, n, capacity) additive mask: every slot before `start`, then `allowed` (n, m) from `start` on."""
-        n, m = allowed.shape
-        full = torch.zeros(n, self.capacity, dtype=torch.bool, device=self.device)
-        full[:, :start] = True
-        full[:, start: start + m] = allowed
-        return to_additive(full, self.dtype)
+        return buffer_mask(allowed, start, self.capacity, self.dtype)
 
     def forward(self, tokens, hidden, positions, mask, slots) -> torch.Tensor:
         """Eager head pass writing its keys/values at `slots`; returns the output hidden (1, n, H)."""
@@ -106,7 +102,7 @@ class HeadRunner:
         feats = torch.zeros(1, size, features.shape[-1], dtype=self.dtype, device=self.device)
         feats[:, :m] = features
         positions = torch.arange(start, start + size, device=self.device).unsqueeze(0)
-        mask = self.mask(torch.ones(size, size, dtype=torch.bool, device=self.device).tril(), start)
+        mask = self.mask(causal_allowed(size, 0, self.device), start)
         last = torch.tensor([m - 1], device=self.device)
         step = self._feed if size == pad_to else self._feed_eager
         return step(padded, feats, positions, mask, positions[0], last, k)

@@ -27,7 +27,7 @@ import torch.nn as nn
 from transformers import StaticCache
 
 from drafthead.capture import HiddenStateCapture
-from drafthead.masks import to_additive
+from drafthead.masks import buffer_mask, causal_allowed
 
 from .attention import NAME as MATMUL_ATTENTION
 from .attention import attention_implementation, prefers_matmul_attention
@@ -46,6 +46,12 @@ def static_cache_supported(model: nn.Module) -> str | None:
     if kinds != {"full_attention"}:
         return f"layer types {sorted(kinds)}"
     return None
+
+
+def buffer_capacity(need: int) -> int:
+    """Slots of a preallocated KV buffer holding `need` tokens. Attention reads the whole buffer every step, so
+    keep it tight: the next multiple of 128, at least MIN_CAPACITY."""
+    return max(MIN_CAPACITY, -(-need // CAPACITY_STEP) * CAPACITY_STEP)
 
 
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
@@ -88,8 +94,7 @@ class StaticRunner:
         need = length + self.buckets[-1]
         if need <= self.capacity:
             return
-        # attention reads the whole buffer every step, so keep it tight: a multiple of 128 tokens
-        capacity = max(MIN_CAPACITY, -(-need // CAPACITY_STEP) * CAPACITY_STEP)
+        capacity = buffer_capacity(need)
         config = self.model.config.get_text_config(decoder=True)
         self.cache = StaticCache(config=config, max_cache_len=capacity)
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -134,11 +139,7 @@ class StaticRunner:
 
     def _mask(self, ancestors: torch.Tensor) -> torch.Tensor:
         """(1, 1, n, capacity) additive mask: the prefix, then the tree's ancestor pattern, nothing after."""
-        n, past = ancestors.shape[0], self._length
-        allowed = torch.zeros(n, self.capacity, dtype=torch.bool, device=self.device)
-        allowed[:, :past] = True
-        allowed[:, past: past + n] = ancestors
-        return to_additive(allowed, self.dtype)
+        return buffer_mask(ancestors, self._length, self.capacity, self.dtype)
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,14 +158,13 @@ class StaticRunner:
                 piece = input_ids[:, start: start + chunk]
                 m = piece.shape[1]
                 logits, feats, _ = self.verify(piece, torch.arange(m, device=self.device),
-                                               torch.ones(m, m, dtype=torch.bool, device=self.device).tril(),
-                                               size=chunk)
+                                               causal_allowed(m, 0, self.device), size=chunk)
                 self._set_length(start + m)  # the chunk is its own accepted path, already in place
                 features.append(feats)
             return logits[:, -1], (torch.cat(features, dim=1) if features[0] is not None else None)
         positions = torch.arange(t, device=self.device).unsqueeze(0)
-        causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
-        logits, features, _ = self._forward(input_ids, positions, self._mask(causal), torch.tensor(t))
+        logits, features, _ = self._forward(input_ids, positions, self._mask(causal_allowed(t, 0, self.device)),
+                                            torch.tensor(t))
         self._set_length(t)
         return logits[:, -1], features
 

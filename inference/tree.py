@@ -112,9 +112,14 @@ class TreeDrafter:
     def stable_length(self) -> int:
         return self.stable
 
+    @property
+    def _tree_room(self) -> int:
+        """Head slots the drafted nodes of one tree occupy after the stable prefix (the frontier of every depth)."""
+        return self.opt.depth * self.opt.top_k + 1
+
     def reset(self, length: int) -> None:
         """Start a new sequence of up to `length` tokens (room for its deepest tree too)."""
-        self.runner.reserve(length + self.opt.depth * self.opt.top_k + 1)
+        self.runner.reserve(length + self._tree_room)
         self.stable = 0
         self.last_hidden = None
 
@@ -124,7 +129,7 @@ class TreeDrafter:
         = the token after each feature. Also drafts depth 1 of the next tree (the last pair's top-k)."""
         m = tokens.shape[1]
         pad_to = self.opt.depth + 1  # at most depth accepted drafts + the bonus token per verification
-        self.runner.reserve(start + max(m, pad_to) + self.opt.depth * self.opt.top_k + 1)
+        self.runner.reserve(start + max(m, pad_to) + self._tree_room)
         self.last_hidden, self.first_scores, self.first_tokens = self.runner.feed(
             tokens, features.to(self.dtype), start, self.opt.top_k, pad_to)
         self.stable = start + m
