@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from .generator import SpeculativeGenerator
+from .runner import make_runner
 from .jsonl import iter_jsonl
 from drafthead.hardware import resolve_dtype
 from .ties import explain_divergence
@@ -193,8 +194,6 @@ def run_bench(args: argparse.Namespace, on_prompt=None) -> dict:
     """Measure every method on every prompt, interleaved; `on_prompt(result)` receives the summary so far after
     each prompt (the CLI writes it to disk, so a killed run keeps what it measured)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .generator import make_runner
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -22,7 +22,9 @@ import torch.nn as nn
 from drafthead import DraftHead
 from drafthead.masks import causal_allowed
 
+from .generator import SpeculativeGenerator
 from .head_runner import head_runner_for
+from .runner import make_runner
 from .tree import DraftTree, TreeDrafter, TreeOptions
 
 CALIBRATION_TREE = TreeOptions(depth=8, top_k=10, total_tokens=80)
@@ -42,6 +44,37 @@ class NodeRecord:
     depth_rank: int  # rank by score among the nodes of its depth
     score_rank: int  # rank by score among all nodes of the tree
     accepted: bool
+
+
+class RecordingDrafter:
+    """A TreeDrafter that also records every verified tree and its accepted path (NodeRecords per step)."""
+
+    def __init__(self, drafter: TreeDrafter):
+        self.drafter = drafter
+        self.records: list[list[NodeRecord]] = []
+        self.tree: DraftTree | None = None
+        self.name, self.origin_names = drafter.name, drafter.origin_names
+
+    @property
+    def feature_layers(self) -> list[int]:
+        return self.drafter.feature_layers
+
+    def tree_sizes(self) -> list[int]:
+        return self.drafter.tree_sizes()
+
+    def warmup(self, max_length: int) -> None:
+        self.drafter.warmup(max_length)
+
+    def begin(self, input_ids, features, max_length) -> None:
+        self.drafter.begin(input_ids, features, max_length)
+
+    def propose(self, root, params, generator=None) -> DraftTree:
+        self.tree = self.drafter.propose(root, params, generator)
+        return self.tree
+
+    def accept(self, path, new_tokens, features) -> None:
+        self.records.append(record_tree(len(self.records), self.tree, path))
+        self.drafter.accept(path, new_tokens, features)
 
 
 def _median_ms(fn, reps: int, device: torch.device) -> float:
@@ -181,21 +214,16 @@ def auto_tree(
     """Choose the tree budget that maximises expected tokens/s on this device, dtype and runner (the one the
     generator will use: pass it; default a new static-or-eager runner). Returns (options, report); options is None
     when plain decoding on the same runner is predicted to be at least as fast as every tree."""
-    from .generator import SpeculativeGenerator, make_runner
-
     if runner is None:
         runner = make_runner(model, head.config.aux_layer_ids)
     # acceptance does not depend on the runner: record it on the eager one, which takes trees of any size
-    gen = SpeculativeGenerator(model, head, tree=CALIBRATION_TREE, runner="eager")
-    records: list[list[NodeRecord]] = []
+    recorder = RecordingDrafter(TreeDrafter(head, CALIBRATION_TREE, head_runner_for(head)))
+    gen = SpeculativeGenerator(model, recorder, tree=CALIBRATION_TREE, runner="eager")
+    records = recorder.records
     overhead_ms = []
-
-    def on_step(tree: DraftTree, path: torch.Tensor) -> None:
-        records.append(record_tree(len(records), tree, path))
-
     last = None
     for ids in calibration_inputs:
-        out = gen.generate(ids, max_new_tokens=max_new_tokens, on_step=on_step)
+        out = gen.generate(ids, max_new_tokens=max_new_tokens)
         s = out.stats
         steps = max(len(s.accept_lengths), 1)
         overhead_ms.append(1000 * (s.total_time_s - s.draft_time_s - s.verify_time_s) / steps)

@@ -1,9 +1,11 @@
-"""SpeculativeGenerator: draft a tree with the head, verify it with the target in one forward, repeat.
+"""SpeculativeGenerator: a drafter proposes a tree, the target verifies it in one forward, repeat.
 
     gen = SpeculativeGenerator.from_pretrained(target_path, head_path, device="cpu", dtype="bfloat16")
     out = gen.generate(input_ids, max_new_tokens=128, temperature=0.0)
     out.sequences  # (1, prompt + new) ; out.stats.mean_accepted, out.stats.tokens_per_s, ...
 
+The drafter (drafter.py) is an EAGLE head's dynamic tree, a smaller draft model, prompt lookup, or the head plus
+prompt lookup (hybrid); the verification, the KV compaction and the stop handling here are shared by all.
 Lossless: greedy output equals the target's own greedy decoding; sampled tokens follow the target's processed
 distribution exactly (see verify.py). Stops (eos, stop strings, max_new_tokens) may land inside an accepted path;
 the path is then cut where plain decoding would have stopped.
@@ -11,7 +13,7 @@ the path is then cut where plain decoding would have stopped.
 
 from __future__ import annotations
 
-import sys
+import json
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -22,14 +24,20 @@ import torch
 import torch.nn as nn
 
 from drafthead import DraftHead, check_compatible, load_head
+from drafthead.checkpoint import CONFIG_NAME
 from drafthead.dtypes import parse_dtype
 from drafthead.masks import causal_allowed
 
-from .runner import TargetRunner
-from .sampling import SamplingParams, target_probs
+from .draft_model import DraftModelDrafter, check_same_tokenizer
+from .drafter import Drafter, PlainDrafter
 from .head_runner import head_runner_for
+from .hybrid import HybridDrafter
+from .prompt_lookup import PromptLookupDrafter
+from .runner import make_runner
+from .sampling import SamplingParams, target_probs
+from .static_runner import bucket_for
 from .tree import DraftTree, TreeDrafter, TreeOptions, tree_options
-from .verify import children_lists, verify_greedy, verify_sampling
+from .verify import verify_greedy, verify_sampling
 
 
 @dataclass
@@ -39,9 +47,23 @@ class GenerationStats:
     new_tokens: int = 0
     target_forwards: int = 0  # prefill + verifications
     accept_lengths: list[int] = field(default_factory=list)  # per verification, bonus included, before stops
+    # per drafter of a hybrid (DraftTree.origin): drafted nodes proposed, and accepted, by each
+    drafted_by: dict[str, int] = field(default_factory=dict)
+    accepted_by: dict[str, int] = field(default_factory=dict)
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0  # target forwards (prefill included) + verification + cache compaction
     total_time_s: float = 0.0
+
+    def count(self, tree: DraftTree, path: torch.Tensor, origin_names: tuple[str, ...]) -> None:
+        """Record one verification: its accepted length and, when the tree names its drafters, who proposed what."""
+        self.target_forwards += 1
+        self.accept_lengths.append(path.shape[0])
+        if tree.origin is None:
+            return
+        drafted, accepted = tree.origin[1:], tree.origin[path[1:]]
+        for bit, name in enumerate(origin_names):
+            self.drafted_by[name] = self.drafted_by.get(name, 0) + int(((drafted >> bit) & 1).sum())
+            self.accepted_by[name] = self.accepted_by.get(name, 0) + int(((accepted >> bit) & 1).sum())
 
     @property
     def mean_accepted(self) -> float:
@@ -108,9 +130,12 @@ class _Stopper:
 
 
 class SpeculativeGenerator:
-    """A frozen target plus a draft head; see the module docstring. tree="none" decodes without drafting (plain
-    greedy/sampled decoding on the same runner: the baseline that separates what the runner buys from what
-    speculation buys); the head may then be None.
+    """A frozen target plus a drafter (drafter.py); see the module docstring.
+
+    draft: a DraftHead (EAGLE-2 dynamic tree with the `tree` options; hybrid=True adds the prompt-lookup branch)
+    or any drafter.Drafter (PromptLookupDrafter, DraftModelDrafter, ...). tree="none" (draft ignored, may be None):
+    plain greedy/sampled decoding on the same runner (the baseline that separates what the runner buys from what
+    speculation buys).
 
     runner: "static" (preallocated KV buffers, fixed-shape verify buckets; static_runner.py), "eager" (any HF
     causal LM, DynamicCache; runner.py) or "auto" (static where the architecture allows, else eager with a one-line
@@ -120,19 +145,11 @@ class SpeculativeGenerator:
     benchmark compiles). The runner, its buffers and its compiled graphs live as long as the generator.
     """
 
-    def __init__(self, target: nn.Module, head: DraftHead | None, tokenizer: Any = None,
+    def __init__(self, target: nn.Module, draft: DraftHead | Drafter | None, tokenizer: Any = None,
                  tree: str | TreeOptions | None = "cpu", runner: Any = "auto", compile: bool | str = "auto",
-                 **tree_overrides: int | None):
-        self.plain = tree == "none"
-        if head is None and not self.plain:
-            raise ValueError("a draft head is needed unless tree='none' (plain decoding)")
-        if head is not None:
-            check_compatible(head.config, target.config)
-            head = head.eval()
+                 hybrid: bool = False, lookup_tokens: int = 10, **tree_overrides: int | None):
         self.target = target.eval()
-        self.head = head
         self.tokenizer = tokenizer
-        self.options = None if self.plain else tree_options(tree, **tree_overrides)
         self.device = next(target.parameters()).device
         if isinstance(runner, str) and runner not in ("auto", "static", "eager"):
             raise ValueError(f"runner must be 'auto', 'static', 'eager' or a runner object, got {runner!r}")
@@ -142,39 +159,63 @@ class SpeculativeGenerator:
             raise ValueError(f"compile must be 'auto', True or False, got {compile!r}")
         self.runner_kind, self.compile = runner, bool(compile)
         self._runner = None if isinstance(runner, str) else runner  # a runner object is shared, e.g. by the bench
+        self.head: DraftHead | None = None
+        self.options: TreeOptions | None = None
+        if isinstance(draft, DraftHead):
+            check_compatible(draft.config, target.config)
+            self.head = draft.eval()
+        if tree == "none":  # plain decoding, whatever the draft
+            self.drafter = PlainDrafter()
+        elif self.head is not None:
+            self.options = tree_options(tree, **tree_overrides)
+            self.drafter = TreeDrafter(self.head, self.options, head_runner_for(self.head, self.compile))
+            if hybrid:
+                self.drafter = HybridDrafter(self.drafter, PromptLookupDrafter(lookup_tokens, min_ngram=2))
+        elif draft is None:
+            raise ValueError("a drafter is needed unless tree='none' (plain decoding)")
+        elif isinstance(draft, Drafter):
+            self.drafter = draft
+        else:
+            raise TypeError(f"draft must be a DraftHead, a Drafter or None, got {type(draft).__name__}")
+        if hybrid and not isinstance(self.drafter, HybridDrafter):
+            raise ValueError("hybrid=True adds prompt lookup to a draft head; this draft is not a head")
+        self.plain = isinstance(self.drafter, PlainDrafter)
 
     @property
     def runner(self):
         """The target runner (built on first use, then reused across generate calls; or the one passed in)."""
         if self._runner is None:
-            self._runner = make_runner(self.target, [] if self.plain else self.head.config.aux_layer_ids,
-                                       self.runner_kind, self.compile)
+            self._runner = make_runner(self.target, self.drafter.feature_layers, self.runner_kind, self.compile)
         return self._runner
 
     def warmup(self, max_length: int) -> dict[int, float]:
-        """Size the KV buffers for sequences of up to `max_length` tokens and run one verify step of the shape this
-        generator uses (compiling it when compile is on). Returns the runner's {verify size: seconds of its first
-        call} (empty for the eager runner)."""
+        """Size the KV buffers for sequences of up to `max_length` tokens and run one verify step of every shape
+        this generator's drafter uses (compiling it when compile is on), then the drafter's own steps. Returns the
+        runner's {verify size: seconds of its first call} (empty for the eager runner)."""
         runner = self.runner
         runner.reserve(max_length)
-        n = 1 if self.plain else self.options.tree_size
+        buckets = getattr(runner, "buckets", None)
+        sizes = sorted({bucket_for(n, buckets) if buckets else n for n in self.drafter.tree_sizes()})
         # a prompt as long as the largest bucket: the compiled runner's prefill shape
-        ids = torch.zeros(1, max(getattr(runner, "buckets", (4,))[-1], 4), dtype=torch.long, device=self.device)
+        ids = torch.zeros(1, max(buckets[-1] if buckets else 4, 4), dtype=torch.long, device=self.device)
         with runner.session(), torch.inference_mode():
             runner.reset(ids.shape[1])
             runner.prefill(ids)
-            runner.verify(ids[:, :1].repeat(1, n), torch.arange(n, device=self.device),
-                          causal_allowed(n, 0, self.device))
-            runner.commit(torch.zeros(0, dtype=torch.long, device=self.device), n)
-        if not self.plain:  # the head's drafting step (compiled once per top-k)
-            self.generate(ids, max_new_tokens=2 * self.options.depth + 2, eos_token_id=[])
+            for n in sizes:
+                runner.verify(ids[:, :1].repeat(1, n), torch.arange(n, device=self.device),
+                              causal_allowed(n, 0, self.device))
+                runner.commit(torch.zeros(0, dtype=torch.long, device=self.device), n)
+        self.drafter.warmup(max_length)
+        if not self.plain:  # the drafter's steps in place (the head's are compiled once per top-k)
+            depth = self.options.depth if self.options else max(self.drafter.tree_sizes())
+            self.generate(ids, max_new_tokens=2 * depth + 2, eos_token_id=[])
         return dict(getattr(runner, "compile_s", {}))
 
     @classmethod
     def from_pretrained(
         cls,
         target: str | Path | nn.Module,
-        draft: str | Path | DraftHead | None,
+        draft: str | Path | DraftHead | Drafter | None,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         tokenizer: Any = None,
@@ -184,32 +225,36 @@ class SpeculativeGenerator:
         total_tokens: int | None = None,
         runner: str = "auto",
         compile: bool | str = "auto",
+        hybrid: bool = False,
+        gamma: int = 4,
+        lookup_tokens: int = 10,
     ) -> "SpeculativeGenerator":
-        """target: HF folder/name or a loaded causal LM; draft: head folder (native or exported) or DraftHead
-        (None with tree="none"). Raises drafthead.HeadMismatchError when the head was made for another target."""
+        """target: HF folder/name or a loaded causal LM. draft: a head folder (native or exported) or DraftHead;
+        a smaller causal LM's folder (or model) sharing the target's tokenizer, drafting chains of `gamma` tokens;
+        "prompt-lookup" (chains of up to `lookup_tokens` tokens copied from the context); a Drafter; or None with
+        tree="none". hybrid=True adds the prompt-lookup branch to a head's tree. Raises
+        drafthead.HeadMismatchError when a head was made for another target, TokenizerMismatchError when a draft
+        model uses another tokenizer."""
         dtype = parse_dtype(dtype)
-        if isinstance(target, (str, Path)):
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype if dtype is not None else "auto")
-            if tokenizer is None:
-                try:
-                    tokenizer = AutoTokenizer.from_pretrained(target)
-                except (OSError, ValueError):
-                    tokenizer = None
-        else:
-            model = target
+        model, tokenizer = _load_causal_lm(target, dtype, tokenizer)
         model = model.to(device=device, dtype=dtype).eval()
         ref = next(model.parameters())
-        if draft is None:
-            head = None
+        compiled = compile if compile != "auto" else ref.device.type == "cuda"
+        if isinstance(draft, str) and draft == "prompt-lookup":
+            draft = PromptLookupDrafter(lookup_tokens)
         elif isinstance(draft, DraftHead):
             check_compatible(draft.config, model.config)
-            head = draft.to(device=ref.device, dtype=ref.dtype).attach_target(model)
-        else:
-            head = load_head(draft, target=model, device=ref.device, dtype=ref.dtype)
-        return cls(model, head, tokenizer, tree, runner=runner, compile=compile, depth=depth, top_k=top_k,
-                   total_tokens=total_tokens)
+            draft = draft.to(device=ref.device, dtype=ref.dtype).attach_target(model)
+        elif isinstance(draft, nn.Module) or (isinstance(draft, (str, Path)) and not is_head_folder(draft)):
+            small, small_tokenizer = _load_causal_lm(draft, dtype, None)
+            small = small.to(device=ref.device, dtype=ref.dtype)
+            check_same_tokenizer(small, model, small_tokenizer, tokenizer)
+            vocab = model.config.get_text_config(decoder=True).vocab_size
+            draft = DraftModelDrafter(small, vocab, gamma=gamma, runner=runner, compile=compiled)
+        elif isinstance(draft, (str, Path)):
+            draft = load_head(draft, target=model, device=ref.device, dtype=ref.dtype)
+        return cls(model, draft, tokenizer, tree, runner=runner, compile=compile, hybrid=hybrid,
+                   lookup_tokens=lookup_tokens, depth=depth, top_k=top_k, total_tokens=total_tokens)
 
     @torch.inference_mode()
     def generate(
@@ -227,7 +272,6 @@ class SpeculativeGenerator:
         seed: int | None = None,
         generator: torch.Generator | None = None,
         tokenizer: Any = None,
-        on_step: Callable[[DraftTree, torch.Tensor], None] | None = None,
     ) -> GenerationOutput:
         """Speculative generation for one prompt (1, T). Arguments as in transformers' generate; explicit
         arguments win over `generation_config`. Greedy unless sampling is asked for (temperature > 0 or
@@ -237,15 +281,7 @@ class SpeculativeGenerator:
         params = SamplingParams.make(temperature, top_k, top_p, do_sample, gc)
         if max_new_tokens is None:
             max_new_tokens = getattr(gc, "max_new_tokens", None) or 20
-        if eos_token_id is None:
-            eos_token_id = getattr(gc, "eos_token_id", None)
-        if eos_token_id is None:
-            eos_token_id = getattr(getattr(self.target, "generation_config", None), "eos_token_id", None)
-        eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
-        if stop is None:
-            stop = getattr(gc, "stop_strings", None)
-        stop = [stop] if isinstance(stop, str) else list(stop or [])
-        stopper = _Stopper(eos, stop, tokenizer or self.tokenizer, max_new_tokens)
+        stopper = self._stopper(gc, eos_token_id, stop, tokenizer, max_new_tokens)
         if generator is None and seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
         input_ids = torch.as_tensor(input_ids)
@@ -255,41 +291,44 @@ class SpeculativeGenerator:
         runner = self.runner
         runner.reset(input_ids.shape[1] + max_new_tokens)
         with runner.session():
-            new, stats = self._decode(runner, input_ids, params, stopper, generator, streamer, on_step)
+            new, stats = self._decode(runner, input_ids, params, stopper, generator, streamer)
         stats.new_tokens = len(new)
         stats.total_time_s = time.perf_counter() - t_start
         out = torch.tensor(new, dtype=torch.long, device=self.device).view(1, -1)
         return GenerationOutput(torch.cat([input_ids, out], dim=1), stats)
 
-    def _decode(self, runner, input_ids, params, stopper, generator, streamer, on_step):
+    def _stopper(self, gc: Any, eos_token_id, stop, tokenizer, max_new_tokens: int) -> "_Stopper":
+        """Stop conditions from the arguments, else the generation config, else the target's eos."""
+        if eos_token_id is None:
+            eos_token_id = getattr(gc, "eos_token_id", None)
+        if eos_token_id is None:
+            eos_token_id = getattr(getattr(self.target, "generation_config", None), "eos_token_id", None)
+        eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
+        if stop is None:
+            stop = getattr(gc, "stop_strings", None)
+        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        return _Stopper(eos, stop, tokenizer or self.tokenizer, max_new_tokens)
+
+    def _decode(self, runner, input_ids, params, stopper, generator, streamer):
         """The decoding loop. Host syncs per step, each needed: the accepted tokens (`.tolist()`: stop checks and
         the streamer), the accepted path (`nonzero` in verify_greedy; sampling walks the tree on the host) and the
-        "is the path already in place" test in the runner's commit; on CUDA the timers also synchronise. Drafting
-        (top-k frontier, tree selection, ancestor masks) stays on the device."""
+        "is the path already in place" test in the runner's commit; on CUDA the timers also synchronise. The head
+        drafts on the device (top-k frontier, tree selection, ancestor masks); prompt lookup and the hybrid merge
+        work on host lists of at most a few dozen tokens; origin statistics read the path's origins."""
         stats = GenerationStats()
         sync = _synchronizer(self.device)
-
-        def pick(logits: torch.Tensor) -> torch.Tensor:  # (1, V) -> (1,)
-            if not params.do_sample:
-                return logits.float().argmax(dim=-1)
-            return torch.multinomial(target_probs(logits, params), 1, generator=generator)[0]
-
-        drafter = None
-        if not self.plain:
-            drafter = TreeDrafter(self.head, self.options, head_runner_for(self.head, self.compile))
-            drafter.reset(input_ids.shape[1] + stopper.max_new)
+        drafter = self.drafter
         if streamer is not None:
             streamer.put(input_ids.cpu())
         t0 = time.perf_counter()
         logits, features = runner.prefill(input_ids)
-        first = pick(logits)
+        first = self._pick(logits, params, generator)
         stats.target_forwards += 1
+        drafter.begin(input_ids, features, input_ids.shape[1] + stopper.max_new)
         sync()
         stats.verify_time_s += time.perf_counter() - t0
         new: list[int] = []
         batch = first.tolist()
-        # true pairs (target feature at t, token t+1) the head has not seen yet; first: the whole prompt
-        feed_features, feed_tokens = features, torch.cat([input_ids[:, 1:], first.view(1, 1)], dim=1)
         while True:
             keep = stopper.cut(new, batch)
             emitted = batch if keep is None else batch[:keep]
@@ -299,33 +338,56 @@ class SpeculativeGenerator:
             if keep is not None:
                 break
             t0 = time.perf_counter()
-            root = torch.tensor(batch[-1:], device=self.device)
-            if drafter is None:
-                tree = DraftTree.root_only(root)
-            else:
-                drafter.feed(feed_features, feed_tokens, drafter.stable_length)
-                tree = drafter.draft(root)
+            tree = drafter.propose(torch.tensor(batch[-1:], device=self.device), params, generator)
             sync()
             t1 = time.perf_counter()
             logits, features, greedy = runner.verify(tree.tokens, tree.depths, tree.ancestors)
             if params.do_sample:
-                probs = target_probs(logits[0], params)
-                path, new_tokens = verify_sampling(probs, tree, generator, children_lists(tree))
+                path, new_tokens = verify_sampling(target_probs(logits[0], params), tree, generator)
             else:
                 path, new_tokens = verify_greedy(None, tree, greedy[0])
             runner.commit(path, tree.size)
-            if on_step is not None:  # e.g. tree-budget calibration: the verified tree and its accepted path
-                on_step(tree, path)
+            drafter.accept(path, new_tokens, features)
             batch = new_tokens.tolist()
-            if drafter is not None:
-                feed_features, feed_tokens = features[:, path], new_tokens.view(1, -1)
-            stats.target_forwards += 1
-            stats.accept_lengths.append(len(batch))
+            stats.count(tree, path, drafter.origin_names)
             stats.draft_time_s += t1 - t0
             stats.verify_time_s += time.perf_counter() - t1
         if streamer is not None:
             streamer.end()
         return new, stats
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, params: SamplingParams, generator) -> torch.Tensor:
+        """The target's next token from logits (1, V): argmax, or a sample of the processed distribution."""
+        if not params.do_sample:
+            return logits.float().argmax(dim=-1)
+        return torch.multinomial(target_probs(logits, params), 1, generator=generator)[0]
+
+
+def _load_causal_lm(source: str | Path | nn.Module, dtype: torch.dtype | None, tokenizer: Any) -> tuple[nn.Module, Any]:
+    """A causal LM (folder or name, or an already loaded model) and its tokenizer (the given one, else the folder's
+    if it has one)."""
+    if not isinstance(source, (str, Path)):
+        return source, tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype if dtype is not None else "auto")
+    if tokenizer is None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError):
+            tokenizer = None
+    return model, tokenizer
+
+
+def is_head_folder(path: str | Path) -> bool:
+    """True for a draft-head folder (native or EAGLE serving format), False for a plain causal LM's folder."""
+    config = Path(path) / CONFIG_NAME
+    if not config.exists():
+        return False
+    values = json.loads(config.read_text())
+    arch = (values.get("architectures") or [""])[0]
+    return "drafthead_config" in values or "Eagle" in arch or arch == "EAGLEModel"
 
 
 def _synchronizer(device: torch.device) -> Callable[[], None]:
@@ -333,19 +395,3 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
     return lambda: None
-
-
-def make_runner(model: nn.Module, feature_layers: list[int], kind: str = "auto", compile: bool = False):
-    """The target runner: "static" (preallocated buffers), "eager" (DynamicCache) or "auto" (static where the
-    architecture allows it, else eager with a one-line message)."""
-    from .static_runner import StaticRunner, static_cache_supported
-
-    if kind in ("auto", "static"):
-        reason = static_cache_supported(model)
-        if reason is None:
-            return StaticRunner(model, feature_layers, compile=compile)
-        if kind == "static":
-            raise NotImplementedError(f"the static runner does not support {reason}")
-        print(f"drafthead: {type(model).__name__} has {reason}; using the eager runner (DynamicCache)",
-              file=sys.stderr)
-    return TargetRunner(model, feature_layers)

@@ -3,12 +3,14 @@
 prefill() runs the prompt; verify() runs a whole draft tree in ONE forward (4D additive float mask, explicit
 position ids) while HiddenStateCapture hooks record the head's features; commit() compacts the KV cache to the
 accepted path. Masks are built as (B, 1, n, past+n) so batch > 1 can follow; batch 1 is what is used now.
-The reference runner: it works for every architecture (sliding windows included); static_runner.py is the fast one.
+The reference runner: it works for every architecture (sliding windows included); static_runner.py is the fast one,
+and make_runner() picks between them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 import torch.nn as nn
@@ -16,6 +18,8 @@ from transformers import DynamicCache
 
 from drafthead.capture import HiddenStateCapture
 from drafthead.masks import to_additive
+
+from .static_runner import StaticRunner, static_cache_supported
 
 
 class TargetRunner:
@@ -97,6 +101,11 @@ class TargetRunner:
         logits, features = self._forward(tokens, positions, mask)
         return logits, features, logits.argmax(dim=-1)
 
+    def truncate(self, length: int) -> None:
+        """Forget every committed token from position `length` on (a drafter rolling back its rejected drafts)."""
+        if length < self.length:
+            self.cache.crop(length - self.length)  # transformers: a negative count of tokens to remove
+
     @torch.inference_mode()
     def commit(self, keep: torch.Tensor, tree_size: int) -> None:
         """Keep the tree positions `keep` (indices into the last verified tree, in order); drop the rest."""
@@ -109,3 +118,17 @@ class TargetRunner:
             layer.values[:, :, past : past + m] = layer.values.index_select(2, keep)
             layer.keys = layer.keys[:, :, : past + m]
             layer.values = layer.values[:, :, : past + m]
+
+
+def make_runner(model: nn.Module, feature_layers: list[int], kind: str = "auto", compile: bool = False):
+    """The runner of a causal LM: "static" (preallocated buffers, static_runner.py), "eager" (DynamicCache) or
+    "auto" (static where the architecture allows it, else eager with a one-line message)."""
+    if kind in ("auto", "static"):
+        reason = static_cache_supported(model)
+        if reason is None:
+            return StaticRunner(model, feature_layers, compile=compile)
+        if kind == "static":
+            raise NotImplementedError(f"the static runner does not support {reason}")
+        print(f"drafthead: {type(model).__name__} has {reason}; using the eager runner (DynamicCache)",
+              file=sys.stderr)
+    return TargetRunner(model, feature_layers)

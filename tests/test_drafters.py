@@ -1,0 +1,240 @@
+"""Every drafter behind one verifier: prompt lookup, a standalone draft model, and the head + lookup hybrid are
+lossless (greedy token for token; sampling by chi-square), and each does what it claims."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_inference_greedy import near_bigram_target, oracle_head, prompts, random_head
+from test_inference_sampling import chi_square_p
+from tiny import tiny_model, tiny_tokenizer
+
+import inference.verify
+from inference import SamplingParams, SpeculativeGenerator, TreeOptions
+from inference.draft_model import DraftModelDrafter, TokenizerMismatchError, check_same_tokenizer
+from inference.drafter import chain_tree
+from inference.hybrid import HEAD, LOOKUP, merge_chain
+from inference.prompt_lookup import PromptLookupDrafter, lookup_continuation
+from inference.sampling import target_probs
+from inference.tree import DraftTree
+from inference.verify import verify_sampling
+
+torch.set_num_threads(1)
+MAX_NEW = 32
+
+
+def assert_greedy_lossless(target, gen: SpeculativeGenerator, n_prompts: int = 8, max_new: int = MAX_NEW,
+                           seed: int = 0) -> list:
+    """Each prompt's output == transformers' greedy generate; returns the generation stats."""
+    stats = []
+    for ids in prompts(n_prompts, target.config.vocab_size, seed=seed):
+        ref = target.generate(ids, do_sample=False, max_new_tokens=max_new)
+        out = gen.generate(ids, max_new_tokens=max_new)
+        assert torch.equal(out.sequences, ref), f"prompt {ids.tolist()}"
+        stats.append(out.stats)
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------- prompt lookup
+def test_lookup_continuation_prefers_longest_then_latest_match():
+    ctx = [5, 6, 7, 8, 1, 6, 7, 9, 2, 5, 6, 7]
+    assert lookup_continuation(ctx, 3, max_ngram=3) == [8, 1, 6]  # the 3-gram 5 6 7 matches only at the start
+    assert lookup_continuation(ctx, 3, max_ngram=2) == [9, 2, 5]  # the 2-gram 6 7: latest earlier match first
+    assert lookup_continuation(ctx + [4], 3) == []  # 4 never occurred before
+    assert lookup_continuation([3, 3, 3], 5, max_ngram=2) == [3]  # the match must be followed by a token
+    assert lookup_continuation(ctx, 2, max_ngram=3, min_ngram=3) == [8, 1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_prompt_lookup_greedy_lossless(arch, runner):
+    target = near_bigram_target(arch, eps=0.05)  # next token mostly a function of the current one: it cycles
+    gen = SpeculativeGenerator(target, PromptLookupDrafter(num_tokens=5, max_ngram=2), runner=runner)
+    stats = assert_greedy_lossless(target, gen)
+    # drafts were proposed, some accepted, some rejected
+    drafted = sum(s.drafted_by["prompt_lookup"] for s in stats)
+    accepted = sum(s.accepted_by["prompt_lookup"] for s in stats)
+    assert 0 < accepted < drafted
+
+
+def test_prompt_lookup_from_pretrained(tiny_target_dir):
+    gen = SpeculativeGenerator.from_pretrained(tiny_target_dir, "prompt-lookup", lookup_tokens=4)
+    assert isinstance(gen.drafter, PromptLookupDrafter) and gen.drafter.num_tokens == 4
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    ref = gen.target.generate(ids, do_sample=False, max_new_tokens=16)
+    assert torch.equal(gen.generate(ids, max_new_tokens=16).sequences, ref)
+
+
+# ------------------------------------------------------------------------------------------------------ hybrid
+def test_merge_chain_shares_nodes_and_appends_the_rest():
+    #        0(root)
+    #      1(4)   2(5)
+    #     3(6)
+    tree = DraftTree.build(torch.tensor([[9, 4, 5, 6]]), torch.tensor([-1, 0, 0, 1]), torch.tensor([0, 1, 1, 2]))
+    merged = merge_chain(tree, [4, 6, 8, 3])  # shares 4 -> 6, then adds 8 -> 3 under node 3
+    assert merged.tokens[0].tolist() == [9, 4, 5, 6, 8, 3]
+    assert merged.parents.tolist() == [-1, 0, 0, 1, 3, 4]
+    assert merged.depths.tolist() == [0, 1, 1, 2, 3, 4]
+    assert merged.origin.tolist() == [0, HEAD | LOOKUP, HEAD, HEAD | LOOKUP, LOOKUP, LOOKUP]
+    assert torch.equal(merged.ancestors.sum(1), merged.depths + 1)
+    assert merged.ancestors[5].nonzero().view(-1).tolist() == [0, 1, 3, 4, 5]
+    other = merge_chain(tree, [7, 7])  # a new branch from the root
+    assert other.parents.tolist() == [-1, 0, 0, 1, 0, 4]
+    same = merge_chain(tree, [5])  # nothing new
+    assert same.size == 4 and same.origin.tolist() == [0, HEAD, HEAD | LOOKUP, HEAD]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_hybrid_greedy_lossless(arch, runner):
+    target = near_bigram_target(arch, eps=0.05)
+    head = random_head(target).attach_target(target)
+    gen = SpeculativeGenerator(target, head, tree=TreeOptions(depth=3, top_k=2, total_tokens=5), runner=runner,
+                               hybrid=True, lookup_tokens=4)
+    stats = assert_greedy_lossless(target, gen)
+    assert sum(s.drafted_by["prompt_lookup"] for s in stats) > 0
+    assert sum(s.accepted_by["prompt_lookup"] for s in stats) > 0
+
+
+def test_hybrid_oracle_head_accepts_long_paths(runner):
+    target = near_bigram_target("llama")
+    gen = SpeculativeGenerator(target, oracle_head(target).attach_target(target), tree="chain", runner=runner,
+                               hybrid=True, lookup_tokens=6)
+    stats = assert_greedy_lossless(target, gen, n_prompts=4, max_new=40)
+    assert statistics_mean([s.mean_accepted for s in stats]) > 2.5
+    assert all(set(s.drafted_by) == {"head", "prompt_lookup"} for s in stats)
+
+
+def statistics_mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+# -------------------------------------------------------------------------------------------------- draft model
+def draft_pair(arch: str, close: bool):
+    """A target and a smaller draft model (2 layers) with the same vocabulary. close=True: both near-bigram models
+    of the same seed, so the draft is usually right; else a random draft, usually wrong."""
+    if close:  # the same bigram map g: the target's embedding, final norm and lm_head
+        target, draft = near_bigram_target(arch, eps=2e-3), near_bigram_target(arch, eps=0.01, num_layers=2)
+        for name in ("model.embed_tokens", "model.norm", "lm_head"):
+            draft.get_submodule(name).load_state_dict(target.get_submodule(name).state_dict())
+        return target, draft
+    return tiny_model(arch), tiny_model(arch, seed=1, num_layers=2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("close", [True, False], ids=["close", "random"])
+def test_draft_model_greedy_lossless(arch, close, runner):
+    target, draft = draft_pair(arch, close)
+    gen = SpeculativeGenerator(target, DraftModelDrafter(draft, target.config.vocab_size, gamma=4, runner=runner),
+                               runner=runner)
+    stats = assert_greedy_lossless(target, gen, n_prompts=6)
+    lengths = [n for s in stats for n in s.accept_lengths]
+    if close:  # whole chains accepted (the cache rollback's "last draft not fed yet" case) and some rejections
+        assert max(lengths) == 5 and min(lengths) < 5
+    else:
+        assert min(lengths) == 1
+
+
+def test_draft_model_identical_to_target_accepts_everything(runner):
+    target = tiny_model("qwen2")
+    gen = SpeculativeGenerator(target, DraftModelDrafter(copy.deepcopy(target), 320, gamma=3, runner=runner),
+                               runner=runner)
+    out = gen.generate(prompts(1, 320)[0], max_new_tokens=24, eos_token_id=[])
+    assert out.stats.accept_lengths == [4] * 6  # 24 tokens = 6 verifications of 3 drafts + bonus
+    sampled = gen.generate(prompts(1, 320)[0], max_new_tokens=24, eos_token_id=[], temperature=0.9, seed=0)
+    assert sampled.stats.accept_lengths == [4] * 6  # q == p: min(1, p/q) = 1 always
+
+
+def test_draft_model_refuses_another_tokenizer(tmp_path):
+    target = tiny_model("llama")
+    with pytest.raises(TokenizerMismatchError, match="vocab size: draft model 300, target 320"):
+        check_same_tokenizer(tiny_model("llama", vocab_size=300), target)
+    tok = tiny_tokenizer()
+    other = copy.deepcopy(tok)
+    other.add_tokens(["<extra_token_xyz>"])
+    with pytest.raises(TokenizerMismatchError, match="tokenizer differs"):
+        check_same_tokenizer(target, target, other, tok)
+    check_same_tokenizer(target, target, tok, copy.deepcopy(tok))  # the same vocabulary passes
+
+
+def test_draft_model_from_pretrained(tiny_target_dir, tmp_path):
+    small = tiny_model("llama", seed=1, num_layers=2)
+    small.save_pretrained(tmp_path / "small")
+    tiny_tokenizer().save_pretrained(tmp_path / "small")
+    gen = SpeculativeGenerator.from_pretrained(tiny_target_dir, tmp_path / "small", gamma=3)
+    assert isinstance(gen.drafter, DraftModelDrafter) and gen.drafter.gamma == 3
+    ids = torch.tensor([[5, 6, 7]])
+    assert torch.equal(gen.generate(ids, max_new_tokens=12).sequences,
+                       gen.target.generate(ids, do_sample=False, max_new_tokens=12))
+
+
+# --------------------------------------------------------------------------- sampling: min(1, p/q) and the residual
+def chain_sampling_counts(draws: int, seed: int = 0) -> tuple[dict, dict]:
+    """Speculative sampling of a 2-token chain drafted from q, verified against p, `draws` times: the observed joint
+    law of the first two emitted tokens and the exact one, p1(a) p2(b | a). q is far from p, so a wrong acceptance
+    or residual rule shows."""
+    vocab = 10
+    g = torch.Generator().manual_seed(seed)
+    params = SamplingParams(True, 1.0, 0, 1.0)
+    p1 = target_probs(torch.randn(vocab, generator=g) * 1.5, params)
+    p2 = target_probs(torch.randn(vocab, vocab, generator=g) * 1.5, params)  # row a: p(. | first token a)
+    q1 = target_probs(torch.randn(vocab, generator=g) * 1.5, params)
+    q2 = target_probs(torch.randn(vocab, vocab, generator=g) * 1.5, params)
+    root = torch.tensor([0])
+    counts: dict = {}
+    for _ in range(draws):
+        d1 = torch.multinomial(q1, 1, generator=g)
+        d2 = torch.multinomial(q2[d1[0]], 1, generator=g)
+        tree = chain_tree(root, torch.cat([d1, d2]), torch.stack([q1, q2[d1[0]]]))
+        probs = torch.stack([p1, p2[d1[0]], p1])  # the target at each node (the last row is never used here)
+        _, new = verify_sampling(probs, tree, g)
+        if len(new) == 1:  # d1 rejected: the next step drafts from q2 after the emitted token and verifies again
+            a = int(new[0])
+            d = torch.multinomial(q2[a], 1, generator=g)
+            _, more = verify_sampling(torch.stack([p2[a], p1]), chain_tree(root, d, q2[a].view(1, -1)), g)
+            new = torch.cat([new, more])
+        key = (int(new[0]), int(new[1]))
+        counts[key] = counts.get(key, 0) + 1
+    expected = {(a, b): float(p1[a] * p2[a, b]) for a in range(vocab) for b in range(vocab)}
+    return counts, expected
+
+
+def test_speculative_sampling_rule_is_exact():
+    draws = 24_000
+    counts, expected = chain_sampling_counts(draws)
+    assert chi_square_p(counts, expected, draws) > 1e-3
+
+
+def test_chi_square_catches_a_wrong_residual(monkeypatch):
+    """The same test with the residual norm(max(0, p - q)) replaced by p: it must fail decisively."""
+    monkeypatch.setattr(inference.verify, "residual", lambda r, token, q: r)
+    draws = 24_000
+    counts, expected = chain_sampling_counts(draws)
+    assert chi_square_p(counts, expected, draws) < 1e-6
+
+
+def test_draft_model_generate_samples_exactly(runner):
+    """End to end: the draft model's sampled chains, verified by the generator, give the target's joint law of the
+    first two new tokens."""
+    params = SamplingParams(True, 0.8, 0, 1.0)
+    target = near_bigram_target("llama", eps=0.02, vocab_size=16)
+    draft = tiny_model("llama", seed=4, vocab_size=16, num_layers=2)  # q unlike p
+    gen = SpeculativeGenerator(target, DraftModelDrafter(draft, 16, gamma=2, runner=runner), runner=runner)
+    prompt = torch.tensor([[5, 9, 4]])
+    with torch.inference_mode():
+        p1 = target_probs(target(prompt).logits[0, -1], params)
+        nxt = torch.cat([prompt.expand(16, -1), torch.arange(16).view(16, 1)], dim=1)
+        p2 = target_probs(target(nxt).logits[:, -1], params)
+    expected = {(a, b): float(p1[a] * p2[a, b]) for a in range(16) for b in range(16)}
+    draws = 2000
+    g = torch.Generator().manual_seed(3)
+    counts: dict = {}
+    accepted = 0
+    for _ in range(draws):
+        out = gen.generate(prompt, max_new_tokens=2, temperature=params.temperature, top_k=0, eos_token_id=[],
+                           generator=g)
+        key = tuple(out.sequences[0, 3:].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        accepted += out.stats.accept_lengths[0] > 1
+    assert 0 < accepted < draws  # drafts accepted and rejected
+    assert chi_square_p(counts, expected, draws) > 1e-3
