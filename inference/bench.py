@@ -28,6 +28,8 @@ from typing import Any
 import torch
 
 from .generator import SpeculativeGenerator
+from .draft_model import DraftModelDrafter, check_same_tokenizer
+from .prompt_lookup import PromptLookupDrafter
 from .runner import make_runner
 from .jsonl import iter_jsonl
 from drafthead.hardware import resolve_dtype
@@ -35,8 +37,9 @@ from .ties import explain_divergence
 from .tree import TreeOptions, tree_options
 
 
-def load_prompts(spec: str, limit: int | None) -> list[str]:
-    """'mt_bench' (first turns from the asset cache) or a JSONL file with `turns`, `prompt` or `messages`."""
+def load_prompts(spec: str, limit: int | None, category: str | None = None) -> list[str]:
+    """'mt_bench' (first turns from the asset cache) or a JSONL file with `turns`, `prompt` or `messages`; only
+    the rows of `category` (MT-bench's `category` field, e.g. coding) when given."""
     if spec == "mt_bench":
         cache = Path(os.environ.get("DRAFTHEAD_CACHE", Path.home() / ".cache" / "drafthead")).expanduser()
         path = cache / "data" / "mt_bench.jsonl"
@@ -46,6 +49,8 @@ def load_prompts(spec: str, limit: int | None) -> list[str]:
         path = Path(spec)
     prompts = []
     for n, row in iter_jsonl(path):
+        if category is not None and row.get("category") != category:
+            continue
         if "turns" in row:
             prompts.append(row["turns"][0])
         elif "prompt" in row:
@@ -80,10 +85,17 @@ class Method:
         self.rows: list[dict] = []
 
 
-def plain_method(model, max_new_tokens: int, eos, **extra) -> Any:
+def plain_method(model, max_new_tokens: int, eos, temperature: float = 0.0, seed: int = 0, **extra) -> Any:
+    """transformers' generate: greedy, or sampling with generate's default processing made explicit (top-k 50,
+    top-p 1, no repetition penalty: what the engine applies), seeded per call like the engine."""
+    sampling = dict(do_sample=True, temperature=temperature, top_k=50, top_p=1.0) if temperature > 0 else \
+        dict(do_sample=False)
+
     def run(ids):
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
-                             pad_token_id=eos[0] if isinstance(eos, list) else eos, **extra)
+        if temperature > 0:
+            torch.manual_seed(seed)
+        out = model.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos, repetition_penalty=1.0,
+                             pad_token_id=eos[0] if isinstance(eos, list) else eos, **sampling, **extra)
         return out[0, ids.shape[1]:].tolist(), None
 
     return run
@@ -121,6 +133,14 @@ def summarise(method: Method, plain_tps: float | None, depth: int | None) -> dic
         summary["accept_histogram"] = dict(sorted(hist.items()))
         # acceptance by depth: share of steps whose accepted draft (bonus excluded) reaches depth d
         summary["acceptance_by_depth"] = [sum(n - 1 >= d for n in lengths) / steps for d in range(1, (depth or 0) + 1)]
+        drafted, accepted = {}, {}
+        for s in stats:
+            for name, n in s.get("drafted_by", {}).items():
+                drafted[name] = drafted.get(name, 0) + n
+                accepted[name] = accepted.get(name, 0) + s["accepted_by"].get(name, 0)
+        if drafted:  # per drafter: share of its proposed nodes accepted, and accepted tokens per step
+            summary["acceptance_by_drafter"] = {k: accepted[k] / max(drafted[k], 1) for k in drafted}
+            summary["accepted_per_step_by_drafter"] = {k: accepted[k] / steps for k in drafted}
         draft_s = sum(s["draft_time_s"] for s in stats)
         verify_s = sum(s["verify_time_s"] for s in stats)
         total_s = sum(s["total_time_s"] for s in stats)
@@ -146,31 +166,77 @@ def choose_tree(args, model, head, tokenizer, inputs, runner) -> tuple[TreeOptio
     return options, {"auto": report, "chosen": dataclasses.asdict(options) if options else "none"}
 
 
-def build_methods(args, model, head, tokenizer, eos, runner, options: TreeOptions | None,
-                  full_head=None) -> list[Method]:
-    """plain transformers generate, prompt lookup, the engine's own plain decoding, speculative (main tree and
-    the --compare-tree presets). Engine methods share one runner (one set of KV buffers and compiled graphs); a
-    float32 replay builds them afresh on the reference model."""
+METHODS = {
+    "plain": "transformers generate (the baseline; always measured, first)",
+    "prompt_lookup": "transformers generate with prompt_lookup_num_tokens=--pld-tokens",
+    "engine_plain": "the engine's own plain decoding on the same runner (tree='none')",
+    "speculative": "the head's dynamic tree (--tree), named speculative_<tree>",
+    "full_vocab": "with --draft-vocab: the unpruned head on the same tree",
+    "compare": "the head with each --compare-tree preset",
+    "engine_prompt_lookup": "the engine with the prompt-lookup drafter (--pld-tokens)",
+    "hybrid": "the head's tree plus the prompt-lookup branch (--hybrid-tokens)",
+    "draft_model": "a smaller LM drafting chains of --gamma tokens (--draft-model)",
+}
+DEFAULT_METHODS = "plain,prompt_lookup,engine_plain,speculative,full_vocab,compare"
 
-    def engine(tree: str | TreeOptions | None):
+
+def parse_methods(spec: str) -> list[str]:
+    """--methods: a comma list of METHODS keys; plain always comes first."""
+    names = [m.strip() for m in spec.split(",") if m.strip()]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown --methods {unknown}; choose from {', '.join(METHODS)}")
+    return ["plain"] + [m for m in dict.fromkeys(names) if m != "plain"]
+
+
+def build_methods(args, model, head, tokenizer, eos, runner, options: TreeOptions | None,
+                  full_head=None, draft_model=None) -> list[Method]:
+    """The methods named by --methods (see METHODS). Engine methods share one runner (one set of KV buffers and
+    compiled graphs); a float32 replay builds them afresh on the reference model."""
+    wanted = parse_methods(args.methods)
+
+    def engine(tree: str | TreeOptions | None, drafter=None, **extra):
         def build(target, draft):
             own = target is model
+            if drafter is not None:
+                draft = drafter(target, own)
             gen = SpeculativeGenerator(target, draft, tokenizer, tree=tree or "none",
-                                       runner=runner if own else "auto", compile=False if not own else args.compile)
+                                       runner=runner if own else "auto", compile=False if not own else args.compile,
+                                       **extra)
             return spec_method(gen, args.max_new_tokens, args.temperature, eos, args.seed)
 
         return build
 
-    methods = [Method("plain", lambda target, _: plain_method(target, args.max_new_tokens, eos), model, head)]
-    if not args.no_pld:
-        methods.append(Method("prompt_lookup", lambda target, _: plain_method(
-            target, args.max_new_tokens, eos, prompt_lookup_num_tokens=args.pld_tokens), model, head))
-    methods.append(Method("engine_plain", engine(None), model, head))
-    methods.append(Method(f"speculative_{args.tree}", engine(options), model, head, options.depth if options else 0))
-    if full_head is not None and options is not None:  # the same tree with the unpruned draft vocabulary
-        methods.append(Method("speculative_full_vocab", engine(options), model, full_head, options.depth))
-    for name in [t for t in (args.compare_tree or []) if t != args.tree]:
-        methods.append(Method(f"speculative_{name}", engine(name), model, head, tree_options(name).depth))
+    def hf(**extra):
+        return lambda target, _: plain_method(target, args.max_new_tokens, eos, args.temperature, args.seed, **extra)
+
+    def small_model(target, own):
+        small = draft_model if own else copy.deepcopy(draft_model).float()
+        return DraftModelDrafter(small, target.config.get_text_config(decoder=True).vocab_size, gamma=args.gamma,
+                                 runner=args.runner if own else "auto", compile=args.compile and own)
+
+    methods = [Method("plain", hf(), model, head)]
+    if "prompt_lookup" in wanted and not args.no_pld:
+        methods.append(Method("prompt_lookup", hf(prompt_lookup_num_tokens=args.pld_tokens), model, head))
+    if "engine_plain" in wanted:
+        methods.append(Method("engine_plain", engine(None), model, head))
+    if "speculative" in wanted:  # options None: the tuner chose plain decoding
+        methods.append(Method(f"speculative_{args.tree}", engine(options), model, head,
+                              options.depth if options else 0))
+        if "full_vocab" in wanted and full_head is not None and options is not None:
+            methods.append(Method("speculative_full_vocab", engine(options), model, full_head, options.depth))
+    if "compare" in wanted:
+        for name in [t for t in (args.compare_tree or []) if t != args.tree]:
+            methods.append(Method(f"speculative_{name}", engine(name), model, head, tree_options(name).depth))
+    if "engine_prompt_lookup" in wanted:
+        lookup = lambda target, own: PromptLookupDrafter(args.pld_tokens)  # noqa: E731
+        methods.append(Method("engine_prompt_lookup", engine("lookup", lookup), model, head, args.pld_tokens))
+    if "hybrid" in wanted:
+        hybrid_tree = options or tree_options("cpu")
+        methods.append(Method("hybrid", engine(hybrid_tree, hybrid=True, lookup_tokens=args.hybrid_tokens),
+                              model, head, max(hybrid_tree.depth, args.hybrid_tokens)))
+    if "draft_model" in wanted:
+        methods.append(Method("draft_model", engine("draft", small_model), model, head, args.gamma))
     return methods
 
 
@@ -190,6 +256,31 @@ def warm_up(methods: list[Method], inputs: list[torch.Tensor], args) -> dict:
     return compile_s
 
 
+def load_drafts(args, model, tokenizer) -> tuple[Any, Any, Any]:
+    """(head, unpruned head, draft model) as the methods need them: the head from --draft (pruned to
+    --draft-vocab), the draft model from --draft-model (checked against the target's tokenizer)."""
+    wanted = set(parse_methods(args.methods))
+    head = full_head = draft_model = None
+    if wanted & {"speculative", "compare", "hybrid"}:
+        if args.draft is None:
+            raise SystemExit("--methods speculative/compare/hybrid need a head: pass --draft HEAD_FOLDER")
+        head = full_head = SpeculativeGenerator.from_pretrained(model, args.draft, tokenizer=tokenizer).head
+        if args.draft_vocab:
+            from .draft_vocab import assistant_token_counts, default_corpus
+
+            counts = assistant_token_counts(tokenizer, args.vocab_corpus or default_corpus(), head.config.vocab_size)
+            head = head.pruned(counts, args.draft_vocab)
+    if "draft_model" in wanted:
+        if args.draft_model is None:
+            raise SystemExit("--methods draft_model needs --draft-model MODEL_FOLDER")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        ref = next(model.parameters())
+        draft_model = AutoModelForCausalLM.from_pretrained(args.draft_model, dtype=ref.dtype).to(ref.device).eval()
+        check_same_tokenizer(draft_model, model, AutoTokenizer.from_pretrained(args.draft_model), tokenizer)
+    return head, full_head, draft_model
+
+
 def run_bench(args: argparse.Namespace, on_prompt=None) -> dict:
     """Measure every method on every prompt, interleaved; `on_prompt(result)` receives the summary so far after
     each prompt (the CLI writes it to disk, so a killed run keeps what it measured)."""
@@ -202,23 +293,20 @@ def run_bench(args: argparse.Namespace, on_prompt=None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
     eos = model.generation_config.eos_token_id
-    prompts = load_prompts(args.prompts, args.num_prompts)
+    prompts = load_prompts(args.prompts, args.num_prompts, args.category)
+    if not prompts:
+        raise SystemExit(f"no prompts in {args.prompts}" + (f" of category {args.category!r}" if args.category else ""))
     inputs = [chat_ids(tokenizer, p, device) for p in prompts]
 
-    head = full_head = SpeculativeGenerator.from_pretrained(model, args.draft, tokenizer=tokenizer).head
-    if args.draft_vocab:
-        from .draft_vocab import assistant_token_counts, default_corpus
-
-        counts = assistant_token_counts(tokenizer, args.vocab_corpus or default_corpus(), head.config.vocab_size)
-        head = head.pruned(counts, args.draft_vocab)
     args.compile = {"on": True, "off": False, "auto": device.type == "cuda"}.get(args.compile, args.compile)
-    runner = make_runner(model, head.config.aux_layer_ids, args.runner, args.compile)
+    head, full_head, draft_model = load_drafts(args, model, tokenizer)
+    runner = make_runner(model, head.config.aux_layer_ids if head is not None else [], args.runner, args.compile)
     runner.reserve(max(ids.shape[1] for ids in inputs) + args.max_new_tokens)
     tree_start = time.perf_counter()
-    options, tree_info = choose_tree(args, model, head, tokenizer, inputs, runner)
+    options, tree_info = choose_tree(args, model, head, tokenizer, inputs, runner) if head is not None else (None, {})
     tree_info["tuning_s"] = time.perf_counter() - tree_start
     methods = build_methods(args, model, head, tokenizer, eos, runner, options,
-                            full_head if full_head is not head else None)
+                            full_head if full_head is not head else None, draft_model)
     compile_s = warm_up(methods, inputs, args)
     setup = {"runner": type(runner).__name__, "compile": args.compile, "warmup_s": compile_s,
              "compile_s_per_shape": dict(getattr(runner, "compile_s", {})), "tree": tree_info}
@@ -241,7 +329,8 @@ def run_bench(args: argparse.Namespace, on_prompt=None) -> dict:
                 if tokens != plain_tokens:
                     if reference is None and dtype != torch.float32:
                         reference = copy.deepcopy(model).float()
-                        reference_head = copy.deepcopy(head).float().attach_target(reference)
+                        if head is not None:
+                            reference_head = copy.deepcopy(head).float().attach_target(reference)
                     info = explain(model, ids, tokens, plain_tokens, reference, reference_head, methods[0], m)
                     if info is not None:
                         mismatches.append({"method": m.name, "prompt": i, **info})
@@ -270,14 +359,26 @@ def assemble(args, device, dtype, inputs, methods: list[Method], mismatches: lis
     """The JSON of the run so far."""
     plain_tps = statistics.fmean(r["tokens_per_s"] for r in methods[0].rows)
     summaries = {m.name: summarise(m, plain_tps, m.depth) for m in methods}
-    main = summaries[f"speculative_{args.tree}"]
+    main_name = f"speculative_{args.tree}"
+    if main_name not in summaries:  # no head: the first drafting method
+        main_name = next((m.name for m in methods if m.generator is not None and m.name != "engine_plain"),
+                         "engine_plain" if "engine_plain" in summaries else "plain")
+    main = summaries[main_name]
+
+    def ratio(a: str, b: str) -> float | None:
+        return summaries[a]["tokens_per_s"] / summaries[b]["tokens_per_s"] if a in summaries and b in summaries \
+            else None
+
     greedy_rows = [r for m in methods[1:] if m.name.startswith("speculative") for r in m.rows if "greedy_match" in r]
     near_ties = [x for x in mismatches if x["is_near_tie"]]
     replayed = [x for x in mismatches if x.get("float32_replay_match")]
-    engine_tps = summaries["engine_plain"]["tokens_per_s"]
+    singles = [n for n in (f"speculative_{args.tree}", "engine_prompt_lookup") if n in summaries]
+    best_single = max(singles, key=lambda n: summaries[n]["tokens_per_s"]) if len(singles) == 2 else None
     result = {
         "target": str(args.target),
         "draft": str(args.draft),
+        "draft_model": str(args.draft_model) if args.draft_model else None,
+        "methods_requested": args.methods,
         "draft_vocab": args.draft_vocab,
         "device": str(device) if device.type != "cpu" else f"cpu ({platform.processor() or platform.machine()}, "
                                                               f"{torch.get_num_threads()} threads)",
@@ -290,11 +391,13 @@ def assemble(args, device, dtype, inputs, methods: list[Method], mismatches: lis
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         **setup,
-        "speedup": main["speedup"],
-        "speedup_vs_engine_plain": main["tokens_per_s"] / engine_tps,
-        "engine_plain_speedup": summaries["engine_plain"]["speedup"],
-        "speedup_vs_prompt_lookup": (main["tokens_per_s"] / summaries["prompt_lookup"]["tokens_per_s"]
-                                     if "prompt_lookup" in summaries else None),
+        "main_method": main_name,
+        "speedup": main.get("speedup", 1.0),
+        "speedup_vs_engine_plain": ratio(main_name, "engine_plain"),
+        "engine_plain_speedup": summaries["engine_plain"]["speedup"] if "engine_plain" in summaries else None,
+        "speedup_vs_prompt_lookup": ratio(main_name, "prompt_lookup"),
+        "hybrid_vs_best_single": ratio("hybrid", best_single) if best_single else None,
+        "best_single_drafter": best_single,
         "tau": main.get("tau"),
         "tokens_per_s": {name: s["tokens_per_s"] for name, s in summaries.items()},
         "greedy_match": (sum(r["greedy_match"] for r in greedy_rows) / len(greedy_rows)) if greedy_rows else None,
@@ -360,17 +463,25 @@ def plot(result: dict, path: Path) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True)
-    p.add_argument("--draft", required=True, help="head folder (native or exported)")
+    p.add_argument("--draft", default=None, help="head folder (native or exported), for the head's methods")
+    p.add_argument("--draft-model", default=None, help="a smaller causal LM's folder sharing the target's "
+                   "tokenizer, for --methods draft_model")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help="comma list of: " + "; ".join(f"{k}: {v}" for k, v in METHODS.items()))
+    p.add_argument("--gamma", type=int, default=4, help="draft-model chain length")
+    p.add_argument("--hybrid-tokens", type=int, default=6, help="prompt-lookup tokens in the hybrid tree")
     p.add_argument("--prompts", default="mt_bench", help="mt_bench or a JSONL file")
     p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--category", default=None, help="only prompts of this category (MT-bench: coding, math, ...)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tree", default="auto", help="auto (tuned for this hardware) or a preset: cpu, gpu, chain")
+    p.add_argument("--tree", default="auto", help="auto (tuned for this hardware), a preset (cpu, gpu, chain) or "
+                   "depth,top_k,total_tokens")
     p.add_argument("--compare-tree", nargs="*", default=["gpu"], help="extra tree presets measured in the same run")
     p.add_argument("--calibration-prompts", type=int, default=3)
     p.add_argument("--calibration-tokens", type=int, default=96)
-    p.add_argument("--no-pld", action="store_true", help="skip the prompt-lookup baseline")
+    p.add_argument("--no-pld", action="store_true", help="skip the prompt_lookup (transformers) method")
     p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="prune the head's draft vocabulary to its N most frequent tokens first (inference.draft_vocab)")

@@ -18,7 +18,11 @@ from .tree import TREE_PRESETS
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m inference.generate", description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True, help="HF model folder of the target")
-    ap.add_argument("--draft", required=True, help="draft-head folder (native or exported)")
+    ap.add_argument("--draft", required=True, help="draft-head folder (native or exported), a smaller causal LM's "
+                    "folder (same tokenizer), or prompt-lookup")
+    ap.add_argument("--hybrid", action="store_true", help="add the prompt-lookup branch to a head's tree")
+    ap.add_argument("--gamma", type=int, default=4, help="draft-model chain length")
+    ap.add_argument("--lookup-tokens", type=int, default=10, help="prompt-lookup chain length")
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -28,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: the checkpoint's)")
-    ap.add_argument("--tree", default="cpu", choices=sorted(TREE_PRESETS))
+    ap.add_argument("--tree", default="cpu", help=f"a preset ({', '.join(sorted(TREE_PRESETS))}) or "
+                    "depth,top_k,total_tokens")
     ap.add_argument("--depth", type=int, default=None)
     ap.add_argument("--top-k-draft", type=int, default=None, help="draft tree branching (overrides --tree)")
     ap.add_argument("--total-tokens", type=int, default=None)
@@ -40,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = SpeculativeGenerator.from_pretrained(
         args.target, args.draft, device=args.device, dtype=args.dtype, tree=args.tree,
-        depth=args.depth, top_k=args.top_k_draft, total_tokens=args.total_tokens,
+        depth=args.depth, top_k=args.top_k_draft, total_tokens=args.total_tokens, hybrid=args.hybrid,
+        gamma=args.gamma, lookup_tokens=args.lookup_tokens,
     )
     tok = gen.tokenizer
     if tok is None:

@@ -51,9 +51,16 @@ TREE_PRESETS = {
 
 
 def tree_options(tree: str | TreeOptions | None = "cpu", **overrides: int | None) -> TreeOptions:
-    """A preset by name ("cpu", "gpu", "chain") or a TreeOptions, with depth/top_k/total_tokens overrides."""
+    """A preset by name ("cpu", "gpu", "chain"), "depth,top_k,total_tokens", or a TreeOptions, with
+    depth/top_k/total_tokens overrides."""
     if tree is None:
         tree = "cpu"
+    if isinstance(tree, str) and "," in tree:  # "depth,top_k,total_tokens", e.g. "2,4,3"
+        try:
+            depth, top_k, total = (int(x) for x in tree.split(","))
+        except ValueError:
+            raise ValueError(f"a tree as numbers is 'depth,top_k,total_tokens', got {tree!r}") from None
+        tree = TreeOptions(depth, top_k, total)
     if isinstance(tree, str):
         if tree not in TREE_PRESETS:
             raise ValueError(f"unknown tree preset {tree!r}; choose from {sorted(TREE_PRESETS)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from tiny import tiny_head
 
@@ -56,3 +57,31 @@ def test_bench_reports_after_every_prompt(tmp_path):
     run_bench(args, on_prompt=partial.append)
     assert [r["prompts"] for r in partial] == [1, 2, 3]
     assert all(len(r["per_prompt"]["engine_plain"]) == r["prompts"] for r in partial)
+
+
+def test_bench_measures_every_drafter_in_one_run(tmp_path):
+    """--methods: head tree, engine prompt lookup, hybrid and a draft model side by side, fp32 greedy-identical."""
+    from transformers import AutoModelForCausalLM
+
+    from inference.bench import build_parser, run_bench
+
+    target_dir = save_tiny_target(tmp_path / "target")
+    small_dir = save_tiny_target(tmp_path / "small", seed=3)
+    tiny_head(AutoModelForCausalLM.from_pretrained(target_dir), draft_vocab_size=200).save_pretrained(tmp_path / "h")
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": w}) + "\n" for w in ["a b a b a", "c d e c d"]))
+    args = build_parser().parse_args([
+        "--target", str(target_dir), "--draft", str(tmp_path / "h"), "--draft-model", str(small_dir),
+        "--methods", "engine_plain,speculative,engine_prompt_lookup,hybrid,draft_model", "--prompts",
+        str(tmp_path / "p.jsonl"), "--max-new-tokens", "16", "--tree", "chain", "--dtype", "float32",
+        "--compile", "off", "--threads", "1", "--gamma", "3", "--hybrid-tokens", "4"])
+    result = run_bench(args)
+    assert list(result["tokens_per_s"]) == ["plain", "engine_plain", "speculative_chain", "engine_prompt_lookup",
+                                            "hybrid", "draft_model"]
+    assert result["greedy_match"] == 1.0 and result["main_method"] == "speculative_chain"
+    assert result["best_single_drafter"] in ("speculative_chain", "engine_prompt_lookup")
+    assert result["hybrid_vs_best_single"] == pytest.approx(
+        result["tokens_per_s"]["hybrid"] / result["tokens_per_s"][result["best_single_drafter"]])
+    hybrid = result["methods"]["hybrid"]
+    assert set(hybrid["acceptance_by_drafter"]) == {"head", "prompt_lookup"}
+    assert all(0 <= v <= 1 for v in hybrid["acceptance_by_drafter"].values())
+    assert max(int(k) for k in result["methods"]["draft_model"]["accept_histogram"]) <= 4  # gamma 3 + bonus
