@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from .generator import SpeculativeGenerator
+from .generator import SpeculativeGenerator, accept_histogram
+from .budget import auto_tree
 from .draft_model import DraftModelDrafter, check_same_tokenizer
 from .prompt_lookup import PromptLookupDrafter
 from .runner import make_runner
@@ -127,10 +128,7 @@ def summarise(method: Method, plain_tps: float | None, depth: int | None) -> dic
         lengths = [n for s in stats for n in s["accept_lengths"]]
         steps = max(len(lengths), 1)
         summary["tau"] = sum(lengths) / steps
-        hist: dict[int, int] = {}
-        for n in lengths:
-            hist[n] = hist.get(n, 0) + 1
-        summary["accept_histogram"] = dict(sorted(hist.items()))
+        summary["accept_histogram"] = accept_histogram(lengths)
         # acceptance by depth: share of steps whose accepted draft (bonus excluded) reaches depth d
         summary["acceptance_by_depth"] = [sum(n - 1 >= d for n in lengths) / steps for d in range(1, (depth or 0) + 1)]
         drafted, accepted = {}, {}
@@ -158,10 +156,11 @@ def choose_tree(args, model, head, tokenizer, inputs, runner) -> tuple[TreeOptio
     if args.tree != "auto":
         options = tree_options(args.tree)
         return options, {"chosen": dataclasses.asdict(options)}
-    from .budget import auto_tree
-
-    calib = [chat_ids(tokenizer, p, inputs[0].device) for p in load_prompts("mt_bench", None)[-args.calibration_prompts:]] \
-        if args.prompts == "mt_bench" else inputs[: args.calibration_prompts]
+    if args.prompts == "mt_bench":  # the last MT-bench prompts (in an 80-prompt run they are also measured)
+        calib = [chat_ids(tokenizer, p, inputs[0].device)
+                 for p in load_prompts("mt_bench", None)[-args.calibration_prompts:]]
+    else:
+        calib = inputs[: args.calibration_prompts]
     options, report = auto_tree(model, head, calib, max_new_tokens=args.calibration_tokens, runner=runner)
     return options, {"auto": report, "chosen": dataclasses.asdict(options) if options else "none"}
 
@@ -284,20 +283,40 @@ def load_drafts(args, model, tokenizer) -> tuple[Any, Any, Any]:
 def run_bench(args: argparse.Namespace, on_prompt=None) -> dict:
     """Measure every method on every prompt, interleaved; `on_prompt(result)` receives the summary so far after
     each prompt (the CLI writes it to disk, so a killed run keeps what it measured)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from tqdm import tqdm
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    model, tokenizer, inputs = load_target_and_prompts(args, device, dtype)
+    methods, setup, head = prepare_methods(args, model, tokenizer, inputs)
+    divergences = DivergenceLog(model, head, dtype, methods[0])
+    result = {}
+    for i, ids in enumerate(tqdm(inputs, desc="bench", unit="prompt")):
+        measure_prompt(i, ids, methods, divergences, greedy=args.temperature == 0)
+        result = assemble(args, device, dtype, inputs[: i + 1], methods, divergences.mismatches, setup)
+        if on_prompt is not None:
+            on_prompt(result)
+    return result
+
+
+def load_target_and_prompts(args, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any, list[torch.Tensor]]:
+    """The target model, its tokenizer, and the prompts as chat-templated ids."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
-    eos = model.generation_config.eos_token_id
     prompts = load_prompts(args.prompts, args.num_prompts, args.category)
     if not prompts:
         raise SystemExit(f"no prompts in {args.prompts}" + (f" of category {args.category!r}" if args.category else ""))
-    inputs = [chat_ids(tokenizer, p, device) for p in prompts]
+    return model, tokenizer, [chat_ids(tokenizer, p, device) for p in prompts]
 
+
+def prepare_methods(args, model, tokenizer, inputs: list[torch.Tensor]) -> tuple[list[Method], dict, Any]:
+    """Drafts, the shared runner, the tree (tuned when auto), the methods, and their warm-up (compiles). Returns
+    (methods, the setup part of the JSON, the head or None)."""
+    device = next(model.parameters()).device
     args.compile = {"on": True, "off": False, "auto": device.type == "cuda"}.get(args.compile, args.compile)
     head, full_head, draft_model = load_drafts(args, model, tokenizer)
     runner = make_runner(model, head.config.aux_layer_ids if head is not None else [], args.runner, args.compile)
@@ -305,54 +324,58 @@ def run_bench(args: argparse.Namespace, on_prompt=None) -> dict:
     tree_start = time.perf_counter()
     options, tree_info = choose_tree(args, model, head, tokenizer, inputs, runner) if head is not None else (None, {})
     tree_info["tuning_s"] = time.perf_counter() - tree_start
+    eos = model.generation_config.eos_token_id
     methods = build_methods(args, model, head, tokenizer, eos, runner, options,
                             full_head if full_head is not head else None, draft_model)
     compile_s = warm_up(methods, inputs, args)
     setup = {"runner": type(runner).__name__, "compile": args.compile, "warmup_s": compile_s,
              "compile_s_per_shape": dict(getattr(runner, "compile_s", {})), "tree": tree_info}
-    from tqdm import tqdm
-
-    mismatches: list[dict] = []
-    reference = reference_head = None  # float32 copies of target and head, made at the first low-precision divergence
-    result = {}
-    for i, ids in enumerate(tqdm(inputs, desc="bench", unit="prompt")):
-        plain_tokens = None
-        for m in methods:
-            (tokens, stats), wall = timed(lambda: m.run(ids))
-            row = {"prompt": i, "new_tokens": len(tokens), "wall_s": wall, "tokens_per_s": len(tokens) / wall}
-            if stats is not None:
-                row["stats"] = stats.to_dict()
-            if m.name == "plain":
-                plain_tokens = tokens
-            elif args.temperature == 0:
-                row["greedy_match"] = tokens == plain_tokens
-                if tokens != plain_tokens:
-                    if reference is None and dtype != torch.float32:
-                        reference = copy.deepcopy(model).float()
-                        if head is not None:
-                            reference_head = copy.deepcopy(head).float().attach_target(reference)
-                    info = explain(model, ids, tokens, plain_tokens, reference, reference_head, methods[0], m)
-                    if info is not None:
-                        mismatches.append({"method": m.name, "prompt": i, **info})
-            m.rows.append(row)
-        result = assemble(args, device, dtype, inputs[: i + 1], methods, mismatches, setup)
-        if on_prompt is not None:
-            on_prompt(result)
-    return result
+    return methods, setup, head
 
 
-def explain(model, ids, tokens, plain_tokens, reference, reference_head, plain: Method, method: Method) -> dict | None:
-    """Classify a greedy divergence (inference.ties); an unexplained one is replayed in float32 with both methods."""
-    prompt_ids = ids[0].tolist()
-    div = explain_divergence(model, torch.tensor(prompt_ids + tokens), torch.tensor(prompt_ids + plain_tokens),
-                             reference=reference)
-    if div is None:  # one output stopped early on an equal prefix
-        return None
-    info = dataclasses.asdict(div)
-    if not div.is_near_tie and reference is not None:
-        replay = [x.build(reference, reference_head)(ids)[0] for x in (plain, method)]
-        info["float32_replay_match"] = replay[0] == replay[1]
-    return info
+def measure_prompt(i: int, ids: torch.Tensor, methods: list[Method], divergences: "DivergenceLog",
+                   greedy: bool) -> None:
+    """Run every method on one prompt (plain first), timing the whole call; greedy outputs are compared with
+    plain decoding's and every divergence is classified."""
+    plain_tokens = None
+    for m in methods:
+        (tokens, stats), wall = timed(lambda: m.run(ids))
+        row = {"prompt": i, "new_tokens": len(tokens), "wall_s": wall, "tokens_per_s": len(tokens) / wall}
+        if stats is not None:
+            row["stats"] = stats.to_dict()
+        if m.name == "plain":
+            plain_tokens = tokens
+        elif greedy:
+            row["greedy_match"] = tokens == plain_tokens
+            if tokens != plain_tokens:
+                divergences.add(i, ids, m, tokens, plain_tokens)
+        m.rows.append(row)
+
+
+class DivergenceLog:
+    """Greedy divergences from plain decoding, each classified (inference.ties); one that is no near-tie is
+    replayed in float32 with both methods. The float32 copies of target and head are made at the first need."""
+
+    def __init__(self, model, head, dtype: torch.dtype, plain: Method):
+        self.model, self.head, self.dtype, self.plain = model, head, dtype, plain
+        self.reference = self.reference_head = None
+        self.mismatches: list[dict] = []
+
+    def add(self, i: int, ids: torch.Tensor, method: Method, tokens: list[int], plain_tokens: list[int]) -> None:
+        if self.reference is None and self.dtype != torch.float32:
+            self.reference = copy.deepcopy(self.model).float()
+            if self.head is not None:
+                self.reference_head = copy.deepcopy(self.head).float().attach_target(self.reference)
+        prompt_ids = ids[0].tolist()
+        div = explain_divergence(self.model, torch.tensor(prompt_ids + tokens), torch.tensor(prompt_ids + plain_tokens),
+                                 reference=self.reference)
+        if div is None:  # one output stopped early on an equal prefix
+            return
+        info = dataclasses.asdict(div)
+        if not div.is_near_tie and self.reference is not None:
+            replay = [x.build(self.reference, self.reference_head)(ids)[0] for x in (self.plain, method)]
+            info["float32_replay_match"] = replay[0] == replay[1]
+        self.mismatches.append({"method": method.name, "prompt": i, **info})
 
 
 def assemble(args, device, dtype, inputs, methods: list[Method], mismatches: list[dict], setup: dict) -> dict:

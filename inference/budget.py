@@ -25,7 +25,7 @@ from drafthead.masks import causal_allowed
 from .generator import SpeculativeGenerator
 from .head_runner import head_runner_for
 from .runner import make_runner
-from .tree import DraftTree, TreeDrafter, TreeOptions
+from .tree import TREE_PRESETS, DraftTree, TreeDrafter, TreeOptions
 
 CALIBRATION_TREE = TreeOptions(depth=8, top_k=10, total_tokens=80)
 DEPTHS = range(1, 9)
@@ -253,7 +253,7 @@ def auto_tree(
     tps, tau, step_ms, depth, top_k, total = best
     plain_ms = verify_ms[0] + overhead
     options = TreeOptions(depth=depth, top_k=top_k, total_tokens=total) if tps > 1000 / plain_ms else None
-    gpu = TreeOptions(depth=6, top_k=10, total_tokens=60)
+    gpu = TREE_PRESETS["gpu"]
     gpu_tau = expected_tau(records, gpu.depth, gpu.top_k, gpu.total_tokens)
     gpu_ms = draft_ms[(gpu.depth, gpu.top_k)] + verify_cost(gpu.total_tokens) + overhead
     report = {

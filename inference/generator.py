@@ -40,6 +40,11 @@ from .tree import DraftTree, TreeDrafter, TreeOptions, tree_options
 from .verify import verify_greedy, verify_sampling
 
 
+def accept_histogram(lengths: list[int]) -> dict[int, int]:
+    """Accepted length (bonus included) -> number of verification steps with that length, sorted."""
+    return dict(sorted(Counter(lengths).items()))
+
+
 @dataclass
 class GenerationStats:
     """tau = mean_accepted: tokens emitted per verification forward (accepted drafts + the bonus token)."""
@@ -72,7 +77,7 @@ class GenerationStats:
     @property
     def histogram(self) -> dict[int, int]:
         """accepted length -> number of verification steps."""
-        return dict(sorted(Counter(self.accept_lengths).items()))
+        return accept_histogram(self.accept_lengths)
 
     @property
     def tokens_per_s(self) -> float:

@@ -50,3 +50,42 @@ def test_cli_streams(smollm2_path, head_dir):
                          cwd=Path(__file__).resolve().parent.parent)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() and "tau" in run.stderr and "tok/s" in run.stderr
+
+
+def shallow_copy_of(model, layers: int):
+    """A real smaller draft model sharing the target's tokenizer: its first `layers` decoder layers, its embedding,
+    final norm and lm_head."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    draft.model.layers = draft.model.layers[:layers]
+    draft.config.num_hidden_layers = layers
+    if getattr(draft.config, "layer_types", None):
+        draft.config.layer_types = draft.config.layer_types[:layers]
+    return draft
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "hybrid", "draft_model"])
+def test_smollm2_every_drafter_greedy_lossless(smollm2, smollm2_path, head_dir, drafter, runner):
+    from transformers import AutoTokenizer
+
+    from inference.draft_model import DraftModelDrafter
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    if drafter == "prompt_lookup":
+        gen = SpeculativeGenerator.from_pretrained(smollm2, "prompt-lookup", runner=runner)
+    elif drafter == "hybrid":
+        gen = SpeculativeGenerator.from_pretrained(smollm2, head_dir, tree="cpu", runner=runner, hybrid=True)
+    else:
+        draft = DraftModelDrafter(shallow_copy_of(smollm2, 8), smollm2.config.vocab_size, gamma=3, runner=runner)
+        gen = SpeculativeGenerator(smollm2, draft, tok, runner=runner)
+    accepted = 0
+    for prompt in PROMPTS + ["Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox"]:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+        ref = smollm2.generate(ids, do_sample=False, max_new_tokens=32)
+        out = gen.generate(ids, max_new_tokens=32)
+        assert torch.equal(out.sequences, ref), (drafter, prompt, tok.decode(out.sequences[0]), tok.decode(ref[0]))
+        accepted += sum(n - 1 for n in out.stats.accept_lengths)
+    assert accepted > 0  # drafts were accepted, so multi-token paths and the drafter's bookkeeping were exercised
