@@ -8,6 +8,7 @@ import torch
 from tiny import tiny_head
 
 from conftest import save_tiny_target
+from drafthead import save_head
 
 
 def test_bench_json_and_bf16_divergences(tmp_path):
@@ -17,7 +18,7 @@ def test_bench_json_and_bf16_divergences(tmp_path):
 
     target_dir = save_tiny_target(tmp_path / "target")
     target = AutoModelForCausalLM.from_pretrained(target_dir)
-    tiny_head(target, draft_vocab_size=200).save_pretrained(tmp_path / "head")
+    save_head(tiny_head(target, draft_vocab_size=200), tmp_path / "head")
     words = ["alpha beta gamma", "one two three four", "red green blue", "sun moon star", "up down left right"]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": w}) + "\n" for w in words))
     out = tmp_path / "bench.json"
@@ -47,7 +48,7 @@ def test_bench_reports_after_every_prompt(tmp_path):
 
     from inference.bench import build_parser, run_bench
 
-    tiny_head(AutoModelForCausalLM.from_pretrained(target_dir), draft_vocab_size=200).save_pretrained(tmp_path / "h")
+    save_head(tiny_head(AutoModelForCausalLM.from_pretrained(target_dir), draft_vocab_size=200), tmp_path / "h")
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": w}) + "\n" for w in ["a b", "c d e", "f"]))
     args = build_parser().parse_args(["--target", str(target_dir), "--draft", str(tmp_path / "h"), "--prompts",
                                       str(tmp_path / "p.jsonl"), "--max-new-tokens", "8", "--tree", "chain",

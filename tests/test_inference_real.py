@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafthead import DraftHead, HeadConfig
+from drafthead import DraftHead, HeadConfig, save_head
 from inference import SpeculativeGenerator
 
 torch.set_num_threads(1)
@@ -22,7 +22,7 @@ def head_dir(smollm2, tmp_path_factory) -> Path:
     torch.manual_seed(0)
     head = DraftHead(HeadConfig.from_target_config(smollm2.config, draft_vocab_size=4096))  # d2t = identity
     path = tmp_path_factory.mktemp("head")
-    head.save_pretrained(path)
+    save_head(head, path)
     return path
 
 

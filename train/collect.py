@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from drafthead.capture import HiddenStateCapture, decoder_layers
-from drafthead.checkpoint import atomic_write_json
+from drafthead.utils import atomic_write_json
 from drafthead.config import default_aux_layer_ids
 from train.features import MANIFEST, FeatureWriter, Sequence, shard_name
 from train.recipe import recipe_main

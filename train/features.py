@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from drafthead.checkpoint import atomic_write_bytes, atomic_write_json
+from drafthead.utils import atomic_write_bytes, atomic_write_json
 
 FORMAT = "drafthead-features/1"
 MANIFEST = "manifest.json"

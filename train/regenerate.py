@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from drafthead.checkpoint import atomic_write_bytes
+from drafthead.utils import atomic_write_bytes
 from train.conversations import read_conversations
 from train.recipe import recipe_main
 from train.target import load_target, load_tokenizer

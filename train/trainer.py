@@ -27,7 +27,7 @@ from drafthead.vocab import build_draft_vocab, full_vocab, token_frequencies
 from train.batches import PreparedSequences, collate, epoch_batches, rank_batches, with_online_features
 from train.evaluate import evaluate, step_statistics
 from train.features import FeatureDataset
-from drafthead.checkpoint import atomic_write_json
+from drafthead.utils import atomic_write_json
 from train.loss import DraftTrainModule
 from train.state import clean_partial, gathered_params, latest_checkpoint, load_checkpoint, save_checkpoint, \
     save_head_folder
