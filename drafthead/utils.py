@@ -1,6 +1,6 @@
 """Generic helpers shared by every package: atomic file writes, the asset cache folder, dtype names.
 
-A leaf module (nothing from the project is imported here).
+A leaf module but for drafthead.paths (cache_dir lives there, free of torch, for bootstrap scripts).
 """
 
 from __future__ import annotations
@@ -13,6 +13,11 @@ from typing import Any, Callable
 
 import torch
 from safetensors.torch import save_file
+
+from .paths import cache_dir
+
+__all__ = ["DTYPES", "MIXED_PRECISION", "SAFETENSORS_DTYPES", "atomic_save_safetensors", "atomic_write_bytes",
+           "atomic_write_json", "atomic_write_text", "cache_dir", "mixed_precision", "parse_dtype"]
 
 # ------------------------------------------------------------------------------------------------ files
 
@@ -47,14 +52,6 @@ def atomic_save_safetensors(path: str | Path, tensors: dict[str, torch.Tensor],
     """Write `tensors` (detached, contiguous, moved to CPU here) as a safetensors file, atomically."""
     state = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     atomic_write_bytes(path, lambda tmp: save_file(state, tmp, metadata=metadata))
-
-
-# ------------------------------------------------------------------------------------------- asset cache
-
-
-def cache_dir() -> Path:
-    """The asset cache folder (real models and data sets): $DRAFTHEAD_CACHE, else ~/.cache/drafthead."""
-    return Path(os.environ.get("DRAFTHEAD_CACHE", Path.home() / ".cache" / "drafthead")).expanduser()
 
 
 # ------------------------------------------------------------------------------------------------ dtypes

@@ -21,10 +21,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-
-def cache_dir() -> Path:
-    """The asset cache folder: $DRAFTHEAD_CACHE or ~/.cache/drafthead."""
-    return Path(os.environ.get("DRAFTHEAD_CACHE", Path.home() / ".cache" / "drafthead")).expanduser()
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from drafthead.paths import cache_dir  # noqa: E402  (no torch: a second run stays well under a second)
 
 
 SMOLLM2 = dict(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -21,11 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from drafthead import DraftHead, HeadConfig, save_head  # noqa: E402
 from drafthead.format import WEIGHTS_NAME  # noqa: E402
+from drafthead.paths import cache_dir  # noqa: E402
 
 
 def default_target() -> Path:
-    cache = Path(os.environ.get("DRAFTHEAD_CACHE", Path.home() / ".cache" / "drafthead")).expanduser()
-    return cache / "models" / "SmolLM2-135M-Instruct"
+    return cache_dir() / "models" / "SmolLM2-135M-Instruct"
 
 
 def file_mb(head: DraftHead, dtype: torch.dtype) -> float:

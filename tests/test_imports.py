@@ -94,7 +94,8 @@ def test_find_cycle_reports_the_circle():
 
 
 def test_drafthead_layers():
-    """format and utils are leaves; model does not reach checkpoint; checkpoint does not reach export/validate."""
+    """format and paths are leaves (utils builds on paths only); model does not reach checkpoint; checkpoint does
+    not reach export/validate; validate does not reach export."""
     graph = import_graph(project_modules())
 
     def reach(start: str) -> set[str]:
@@ -106,7 +107,8 @@ def test_drafthead_layers():
         return seen
 
     internal = {m for m in graph if m.startswith("drafthead.")}
-    assert not reach("drafthead.format") & internal and not reach("drafthead.utils") & internal
+    assert not reach("drafthead.format") & internal and not reach("drafthead.paths") & internal
+    assert reach("drafthead.utils") & internal == {"drafthead.paths"}
     assert not reach("drafthead.model") & {"drafthead.checkpoint", "drafthead.export", "drafthead.validate"}
     assert not reach("drafthead.checkpoint") & {"drafthead.export", "drafthead.validate"}
     assert not reach("drafthead.validate") & {"drafthead.export"}
