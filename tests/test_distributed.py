@@ -35,7 +35,7 @@ def launch(recipe: Path, stage: int, *overrides: str, timeout: int = 300) -> str
 @pytest.mark.parametrize("stage,precision", [(2, "fp32"), (3, "bf16")])
 def test_ranks_synchronise(tmp_path, stage, precision):
     recipe = make_run(tmp_path, n_train=16, n_val=8, max_steps=3, save_every=100, eval_every=3,
-                      mixed_precision=precision)
+                      mixed_precision=precision, debug_report=True)
     output = launch(recipe, stage)
     assert f"engine=DeepSpeedEngine zero_stage={stage} world_size=2" in output
     out = tmp_path / "out"

@@ -19,7 +19,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
@@ -134,6 +134,12 @@ class FeatureDataset(torch.utils.data.Dataset):
             "aux_hidden": f.get_slice("aux_hidden")[start:end],
             "last_hidden": f.get_slice("last_hidden")[start:end],
         }
+
+    def token_arrays(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(input_ids, loss_mask) of every shard, all its sequences concatenated; hidden states are not read."""
+        for shard in self.manifest["shards"]:
+            f = self._handle(shard["file"])
+            yield f.get_tensor("input_ids"), f.get_tensor("loss_mask")
 
     def lengths(self) -> list[int]:
         """Token count of every sequence (for length-bucketed batching)."""
