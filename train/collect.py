@@ -171,9 +171,5 @@ def collect(recipe: Recipe | dict) -> dict:
     return results
 
 
-def main(argv: list[str] | None = None) -> None:
-    recipe_main(collect, __doc__, argv)
-
-
 if __name__ == "__main__":
-    main()
+    recipe_main(collect, __doc__)

@@ -138,9 +138,5 @@ def prepare(recipe: Recipe | dict) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> None:
-    recipe_main(prepare, __doc__, argv)
-
-
 if __name__ == "__main__":
-    main()
+    recipe_main(prepare, __doc__)

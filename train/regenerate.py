@@ -109,9 +109,5 @@ def regenerate(recipe: Recipe | dict) -> Path:
     return output
 
 
-def main(argv: list[str] | None = None) -> None:
-    recipe_main(regenerate, __doc__, argv)
-
-
 if __name__ == "__main__":
-    main()
+    recipe_main(regenerate, __doc__)
