@@ -26,6 +26,7 @@ from .checkpoint import load_head, stored_dtype, write_head_folder
 from .config import HeadConfig
 from .format import ARCHITECTURES, FORMATS, NATIVE_KEY, rope_parameters, rope_type, serving_tensor_names, vllm_aux_ids
 from .model import DraftHead
+from .utils import dtype_name
 from .validate import ExportValidationError, validate_export
 
 
@@ -50,7 +51,7 @@ def serving_config(config: HeadConfig, dtype: torch.dtype) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
+        "torch_dtype": dtype_name(dtype),
     }
     if config.kind == "eagle3":
         values.update(

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from .paths import cache_dir
 
 __all__ = ["DTYPES", "MIXED_PRECISION", "SAFETENSORS_DTYPES", "atomic_save_safetensors", "atomic_write_bytes",
-           "atomic_write_json", "atomic_write_text", "cache_dir", "mixed_precision", "parse_dtype"]
+           "atomic_write_json", "atomic_write_text", "cache_dir", "dtype_name", "mixed_precision", "parse_dtype"]
 
 # ------------------------------------------------------------------------------------------------ files
 
@@ -73,6 +73,11 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
     return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> 'bfloat16' (the name configs and manifests record)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def mixed_precision(name: str) -> str:

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from drafthead.capture import HiddenStateCapture, decoder_layers
 from drafthead.config import default_aux_layer_ids
-from drafthead.utils import atomic_write_json
+from drafthead.utils import atomic_write_json, dtype_name
 from train.features import MANIFEST, FeatureWriter, Sequence, shard_name
 from train.recipe import Recipe, parse_recipe, recipe_main
 from train.target import load_target, target_config_hash, target_name
@@ -109,7 +109,7 @@ def collect_split(
     num = len(split)
     num_shards = math.ceil(num / shard_sequences)
     header = {**header, "aux_layer_ids": list(aux_layer_ids), "last_layer_id": last_layer_id,
-              "dtype": "bfloat16", "shard_sequences": shard_sequences, "num_sequences_planned": num}
+              "dtype": dtype_name(FEATURE_DTYPE), "shard_sequences": shard_sequences, "num_sequences_planned": num}
     with manifest_lock(folder):
         writer = FeatureWriter(folder, header)
         _reload(writer)
@@ -158,7 +158,7 @@ def collect(recipe: Recipe | dict) -> dict:
     aux = recipe.head.aux_layer_ids or default_aux_layer_ids(len(decoder_layers(model)))
     header = {"target": target_name(recipe.target), "target_config_hash": target_config_hash(recipe.target),
               "hidden_size": int(model.config.get_text_config().hidden_size),
-              "target_dtype": str(model.dtype).replace("torch.", "")}
+              "target_dtype": dtype_name(model.dtype)}
     results = {}
     for name in feats.splits or ["train", "validation"]:
         if name not in data:

@@ -23,9 +23,8 @@ from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from drafthead.utils import atomic_write_bytes, atomic_write_json
+from drafthead.utils import atomic_save_safetensors, atomic_write_json
 
 FORMAT = "drafthead-features/1"
 MANIFEST = "manifest.json"
@@ -86,7 +85,7 @@ class FeatureWriter:
             "last_hidden": torch.cat([s.last_hidden for s in sequences]).to(torch.bfloat16).contiguous(),
         }
         name = shard_name(index)
-        atomic_write_bytes(self.folder / name, lambda tmp: save_file(tensors, tmp))
+        atomic_save_safetensors(self.folder / name, tensors)
         shards = [s for s in self.manifest["shards"] if s["index"] != index]
         shards.append({"index": index, "file": name, "num_sequences": len(sequences), "num_tokens": int(offsets[-1])})
         shards.sort(key=lambda s: s["index"])
