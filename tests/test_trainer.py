@@ -91,6 +91,14 @@ def read_log(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line.strip()]
 
 
+def check_eval_tau(record: dict, ttt_steps: int) -> None:
+    """tau - 1 (accepted drafts per chain) is at least acc_0 (a step-0 hit is accepted), at most the sum of the
+    step accuracies, and at most ttt_steps * acc_0 (a chain goes on only from a step-0 hit)."""
+    accs = [record[f"eval_acc_{i}"] for i in range(ttt_steps)]
+    accepted = record["eval_tau"] - 1.0
+    assert accs[0] - 1e-9 <= accepted <= min(sum(accs), ttt_steps * accs[0]) + 1e-9, (record["eval_tau"], accs)
+
+
 def head_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "model.safetensors"))
 
@@ -106,6 +114,7 @@ def test_learning_eagle3(tmp_path):
     assert log[0]["acc_0"] < 0.1 and log[-1]["eval_acc_0"] > 0.15, (log[0]["acc_0"], log[-1]["eval_acc_0"])
     assert {"eval_acc_0", "eval_acc_1", "eval_acc_2", "eval_tau", "eval_loss"} <= set(log[-1])
     assert log[-1]["eval_tau"] > 1.1
+    check_eval_tau(log[-1], ttt_steps=3)
     from drafthead import load_head
 
     head = load_head(tmp_path / "out" / "final")
