@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,4 +50,14 @@ def test_cli_streams(smollm2_path, head_dir):
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120,
                          cwd=Path(__file__).resolve().parent.parent)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip() and "tau" in run.stderr and "tok/s" in run.stderr
+    stats = re.search(r"\[tau (\d+\.\d\d) \| (\d+) tokens in .* tok/s \| target forwards (\d+) \|", run.stderr)
+    assert stats, run.stderr[-2000:]
+    # the CLI streams and reports what the library computes for the same request
+    gen = SpeculativeGenerator.from_pretrained(str(smollm2_path), head_dir, dtype="float32", tree="cpu")
+    ids = gen.tokenizer.apply_chat_template([{"role": "user", "content": "Say hello."}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+    out = gen.generate(ids, max_new_tokens=12)
+    text = gen.tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
+    assert run.stdout.strip() == text.strip()
+    assert stats.groups() == (f"{out.stats.mean_accepted:.2f}", str(out.stats.new_tokens),
+                              str(out.stats.target_forwards))
