@@ -62,7 +62,7 @@ DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
 }
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-MIXED_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "no"}  # accelerate's names
+MIXED_PRECISION = {"bfloat16": "bf16", "float16": "fp16", "float32": "no"}  # dtype name -> accelerate's name
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -76,7 +76,7 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """torch.bfloat16 -> 'bfloat16' (the name configs and manifests record)."""
+    """A torch dtype -> its name without the module, e.g. 'bfloat16' (what configs and manifests record)."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -84,4 +84,4 @@ def mixed_precision(name: str) -> str:
     """A precision name ('bf16', 'fp32', 'no', ...) -> accelerate's mixed_precision ('bf16', 'fp16', 'no')."""
     if str(name).lower() == "no":
         return "no"
-    return MIXED_PRECISION[parse_dtype(name)]
+    return MIXED_PRECISION[dtype_name(parse_dtype(name))]
