@@ -3,46 +3,28 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import load_file
 
-from .config import HeadConfig, _text_config
-
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
+from .config import HeadConfig
+from .format import CONFIG_NAME, FROZEN_PREFIXES, NATIVE_KEY, WEIGHTS_METADATA, WEIGHTS_NAME, native_tensor_names, \
+    text_config
+from .model import DraftHead
+from .utils import SAFETENSORS_DTYPES, atomic_save_safetensors, atomic_write_json
 
 
 class HeadMismatchError(ValueError):
     """A head and a target (or an expected head kind) disagree; the message names the differing field."""
 
 
-def atomic_write_bytes(path: Path, write) -> None:
-    """Call write(tmp_path) then rename tmp -> path, so readers never see a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600 files; checkpoints are meant to be read by others (servers)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(Path(path), lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2) + "\n"))
-
-
 def check_compatible(config: HeadConfig, target_config: Any, kind: str | None = None) -> None:
     """Refuse a head trained for a different target: hidden size, vocab size, layer count, head kind."""
-    cfg = _text_config(target_config)
+    cfg = text_config(target_config)
     problems = []
     if kind is not None and config.kind != kind:
         problems.append(f"head kind: checkpoint is {config.kind!r}, expected {kind!r}")
@@ -61,24 +43,23 @@ def check_compatible(config: HeadConfig, target_config: Any, kind: str | None = 
         raise HeadMismatchError("draft head does not match the target: " + "; ".join(problems))
 
 
-def save_head(head: nn.Module, path: str | Path) -> None:
-    """Write `head` as config.json + model.safetensors (borrowed target weights left out)."""
+def write_head_folder(path: str | Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """Write a head folder: `tensors` as model.safetensors and `config` as config.json, each atomically."""
     path = Path(path)
-    state = {k: v.detach().contiguous().cpu() for k, v in head.saved_state_dict().items()}
-    atomic_write_bytes(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-    atomic_write_json(path / CONFIG_NAME, {"drafthead_config": head.config.to_dict()})
+    atomic_save_safetensors(path / WEIGHTS_NAME, tensors, metadata=WEIGHTS_METADATA)
+    atomic_write_json(path / CONFIG_NAME, config)
+
+
+def save_head(head: DraftHead, path: str | Path) -> None:
+    """Write `head` as a native folder: config.json + model.safetensors (borrowed target weights left out)."""
+    write_head_folder(path, head.saved_state_dict(), {NATIVE_KEY: head.config.to_dict()})
 
 
 def stored_dtype(path: str | Path) -> torch.dtype:
     """The floating dtype a head folder's weights are stored in (e.g. to export a bf16 head as bf16)."""
-    from safetensors import safe_open
-
     with safe_open(str(Path(path) / WEIGHTS_NAME), "pt") as f:
         for name in f.keys():
-            tensor = f.get_slice(name)
-            dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}.get(
-                tensor.get_dtype()
-            )
+            dtype = SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
             if dtype is not None:
                 return dtype
     raise ValueError(f"{Path(path) / WEIGHTS_NAME} holds no floating-point tensor")
@@ -90,23 +71,19 @@ def load_head(
     kind: str | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
-):
+) -> DraftHead:
     """Load a native head folder or an exported serving folder (vLLM/SGLang layout, ours or third-party).
 
-    The format is detected from config.json: our "drafthead_config" key, else the EAGLE serving fields
+    The format is detected from config.json: our NATIVE_KEY, else the EAGLE serving fields
     (then `target` supplies the target's layer count). With `target`: check compatibility, then attach
     its frozen modules (token embedding; for EAGLE-1 also the final norm and lm_head).
     """
-    from .export import native_tensor_names, read_head_config
-    from .model import DraftHead
-
     path = Path(path)
-    if not (path / CONFIG_NAME).exists():
-        raise FileNotFoundError(f"no {CONFIG_NAME} in {path}: not a draft-head folder")
-    if not (path / WEIGHTS_NAME).exists():
-        raise FileNotFoundError(f"no {WEIGHTS_NAME} in {path}: not a draft-head folder")
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        if not (path / name).exists():
+            raise FileNotFoundError(f"no {name} in {path}: not a draft-head folder")
     values = json.loads((path / CONFIG_NAME).read_text())
-    config = read_head_config(values, target.config if target is not None else None)
+    config = HeadConfig.from_folder_config(values, target.config if target is not None else None)
     if target is not None:
         check_compatible(config, target.config, kind)
     elif kind is not None and config.kind != kind:
@@ -114,7 +91,7 @@ def load_head(
     head = DraftHead(config)
     state = native_tensor_names(load_file(str(path / WEIGHTS_NAME)))
     missing, unexpected = head.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.startswith(("embed_tokens.", "target_norm.", "target_lm_head."))]
+    missing = [k for k in missing if not k.startswith(FROZEN_PREFIXES)]
     if missing or unexpected:
         raise ValueError(f"{path / WEIGHTS_NAME}: missing tensors {missing}, unexpected tensors {unexpected}")
     head.to(device=device, dtype=dtype)

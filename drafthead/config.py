@@ -7,31 +7,16 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .format import (
+    ARCHITECTURES, FOREIGN_EAGLE1_ARCHITECTURE, NATIVE_KEY, aux_ids_from_vllm, rope_of, rope_parameters, text_config,
+)
+
 HEAD_KINDS = ("eagle3", "eagle1")
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """The serving engines' default aux layers: outputs of layers 1, N/2-1 and N-4 (0-indexed layer outputs)."""
     return [1, num_layers // 2 - 1, num_layers - 4]
-
-
-def _text_config(target_config: Any) -> Any:
-    """Multimodal configs (e.g. Gemma3) keep the language model's fields in `text_config`."""
-    return getattr(target_config, "text_config", None) or target_config
-
-
-def _rope_of(cfg: Any) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) of a transformers 4.x or 5.x config."""
-    params = getattr(cfg, "rope_parameters", None) or {}
-    if "full_attention" in params:  # per-layer-type rope (Gemma3): the full-attention layers' settings
-        params = params["full_attention"]
-    theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-    if not params:  # transformers 4.x: rope_scaling holds only the scaling
-        params = dict(getattr(cfg, "rope_scaling", None) or {})
-    scaling = None
-    if params.get("rope_type", params.get("type", "default")) != "default":
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    return float(theta), scaling
 
 
 @dataclass
@@ -97,9 +82,9 @@ class HeadConfig:
         **overrides: Any,
     ) -> "HeadConfig":
         """A head shaped like one decoder layer of the target (any Llama/Qwen2/Mistral/Gemma-family config)."""
-        cfg = _text_config(target_config)
+        cfg = text_config(target_config)
         num_layers = cfg.num_hidden_layers
-        theta, scaling = _rope_of(cfg)
+        theta, scaling = rope_of(cfg)
         heads = cfg.num_attention_heads
         values = dict(
             kind=kind,
@@ -128,11 +113,7 @@ class HeadConfig:
         """A transformers LlamaConfig for the decoder-layer building blocks (attention, MLP, norms, rope)."""
         from transformers import LlamaConfig
 
-        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
-        if self.rope_scaling:
-            rope.update(self.rope_scaling)
-            rope["rope_type"] = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-        config = LlamaConfig(
+        return LlamaConfig(
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
             num_attention_heads=self.num_attention_heads,
@@ -140,14 +121,13 @@ class HeadConfig:
             head_dim=self.head_dim,
             rms_norm_eps=self.rms_norm_eps,
             hidden_act=self.hidden_act if self.hidden_act in ("silu", "gelu", "relu") else "gelu_pytorch_tanh",
-            rope_parameters=rope,
+            rope_parameters=rope_parameters(self.rope_theta, self.rope_scaling),
             max_position_embeddings=self.max_position_embeddings,
             vocab_size=self.vocab_size,
             num_hidden_layers=1,
             attention_bias=False,
+            attn_implementation="sdpa",
         )
-        config._attn_implementation = "sdpa"
-        return config
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -158,11 +138,51 @@ class HeadConfig:
         return cls(**{k: v for k, v in values.items() if k in known})
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps({"drafthead_config": self.to_dict()}, indent=2) + "\n")
+        Path(path).write_text(json.dumps({NATIVE_KEY: self.to_dict()}, indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "HeadConfig":
         values = json.loads(Path(path).read_text())
-        if "drafthead_config" not in values:
-            raise ValueError(f"{path} is not a native draft-head config (no 'drafthead_config' key)")
-        return cls.from_dict(values["drafthead_config"])
+        if NATIVE_KEY not in values:
+            raise ValueError(f"{path} is not a native draft-head config (no {NATIVE_KEY!r} key)")
+        return cls.from_dict(values[NATIVE_KEY])
+
+    @classmethod
+    def from_folder_config(cls, values: dict[str, Any], target_config: Any | None = None) -> "HeadConfig":
+        """The HeadConfig of a head folder's config.json: our own NATIVE_KEY, else the EAGLE serving fields.
+
+        A third-party serving folder does not record the target's layer count; it is taken from `target_config`.
+        """
+        if NATIVE_KEY in values:
+            return cls.from_dict(values[NATIVE_KEY])
+        arch = (values.get("architectures") or [""])[0]
+        if arch not in ARCHITECTURES.values() and arch != FOREIGN_EAGLE1_ARCHITECTURE:
+            raise ValueError(
+                f"config.json is neither a native head nor an EAGLE serving folder (architectures={arch!r})"
+            )
+        if target_config is None:
+            raise ValueError(f"this serving folder has no {NATIVE_KEY!r}: pass the target to load_head(target=...)")
+        tcfg = text_config(target_config)
+        hidden = values["hidden_size"]
+        ids = (values.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if ids is None and values.get("eagle_aux_hidden_state_layer_ids") is not None:
+            ids = aux_ids_from_vllm(values["eagle_aux_hidden_state_layer_ids"])
+        return cls(
+            kind="eagle3" if arch == ARCHITECTURES["eagle3"] else "eagle1",
+            hidden_size=hidden,
+            intermediate_size=values["intermediate_size"],
+            num_attention_heads=values["num_attention_heads"],
+            num_key_value_heads=values.get("num_key_value_heads") or values["num_attention_heads"],
+            head_dim=values.get("head_dim") or hidden // values["num_attention_heads"],
+            rms_norm_eps=values.get("rms_norm_eps", 1e-6),
+            hidden_act=values.get("hidden_act", "silu"),
+            rope_theta=float(values.get("rope_theta", 10000.0)),
+            rope_scaling=values.get("rope_scaling"),
+            max_position_embeddings=values.get("max_position_embeddings", tcfg.max_position_embeddings),
+            vocab_size=values.get("vocab_size", tcfg.vocab_size),
+            draft_vocab_size=values.get("draft_vocab_size") or values.get("vocab_size", tcfg.vocab_size),
+            target_hidden_size=values.get("target_hidden_size") or hidden,
+            target_num_layers=tcfg.num_hidden_layers,
+            target_model_type=tcfg.model_type,
+            aux_layer_ids=ids if ids is not None else default_aux_layer_ids(tcfg.num_hidden_layers),
+        )

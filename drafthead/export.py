@@ -21,35 +21,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from .checkpoint import CONFIG_NAME, WEIGHTS_NAME, atomic_write_bytes, atomic_write_json, load_head, stored_dtype
-from .config import HeadConfig, default_aux_layer_ids
+from .checkpoint import load_head, stored_dtype, write_head_folder
+from .config import HeadConfig
+from .format import ARCHITECTURES, FORMATS, NATIVE_KEY, rope_parameters, rope_type, serving_tensor_names, vllm_aux_ids
 from .model import DraftHead
-
-FORMATS = ("eagle3", "eagle1")
-ARCHITECTURES = {"eagle3": "LlamaForCausalLMEagle3", "eagle1": "LlamaForCausalLMEagle"}
-NATIVE_LAYER, SERVING_LAYER = "midlayer.", "layers.0."
-
-
-def serving_tensor_names(state: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
-    """Native names -> serving names (EAGLE-1 renames midlayer.* to layers.0.*; EAGLE-3 keeps them)."""
-    if fmt == "eagle3":
-        return dict(state)
-    return {SERVING_LAYER + k[len(NATIVE_LAYER):] if k.startswith(NATIVE_LAYER) else k: v for k, v in state.items()}
-
-
-def native_tensor_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Serving names -> native names (layers.0.* -> midlayer.*); native names pass through."""
-    return {NATIVE_LAYER + k[len(SERVING_LAYER):] if k.startswith(SERVING_LAYER) else k: v for k, v in state.items()}
+from .utils import dtype_name
+from .validate import ExportValidationError, validate_export
 
 
 def serving_config(config: HeadConfig, dtype: torch.dtype) -> dict[str, Any]:
     """The config.json a serving engine reads, plus our own "drafthead_config" key."""
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
-    if config.rope_scaling:
-        rope.update(config.rope_scaling)
-        rope["rope_type"] = config.rope_scaling.get("rope_type", config.rope_scaling.get("type", "default"))
     values: dict[str, Any] = {
         "architectures": [ARCHITECTURES[config.kind]],
         "model_type": "llama",
@@ -62,14 +44,14 @@ def serving_config(config: HeadConfig, dtype: torch.dtype) -> dict[str, Any]:
         "rms_norm_eps": config.rms_norm_eps,
         "hidden_act": config.hidden_act,
         "rope_theta": config.rope_theta,
-        "rope_scaling": config.rope_scaling if rope["rope_type"] != "default" else None,
-        "rope_parameters": rope,  # transformers 5.x readers
+        "rope_scaling": config.rope_scaling if rope_type(config.rope_scaling) != "default" else None,
+        "rope_parameters": rope_parameters(config.rope_theta, config.rope_scaling),  # transformers 5.x readers
         "max_position_embeddings": config.max_position_embeddings,
         "vocab_size": config.vocab_size,
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
+        "torch_dtype": dtype_name(dtype),
     }
     if config.kind == "eagle3":
         values.update(
@@ -79,53 +61,12 @@ def serving_config(config: HeadConfig, dtype: torch.dtype) -> dict[str, Any]:
                 "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
                 "use_aux_hidden_state": True,
             },
-            eagle_aux_hidden_state_layer_ids=[k + 1 for k in config.aux_layer_ids],
+            eagle_aux_hidden_state_layer_ids=vllm_aux_ids(config.aux_layer_ids),
         )
     else:
         values["eagle_fc_bias"] = True  # vLLM's EAGLE-1 loader reads this to build fc with a bias
-    values["drafthead_config"] = config.to_dict()
+    values[NATIVE_KEY] = config.to_dict()
     return values
-
-
-def read_head_config(values: dict[str, Any], target_config: Any | None = None) -> HeadConfig:
-    """A HeadConfig for a serving folder: from our "drafthead_config" key, else rebuilt from the Llama fields.
-
-    A third-party folder does not record the target's layer count; it is taken from `target_config`.
-    """
-    if "drafthead_config" in values:
-        return HeadConfig.from_dict(values["drafthead_config"])
-    arch = (values.get("architectures") or [""])[0]
-    if arch not in ARCHITECTURES.values() and arch != "EAGLEModel":
-        raise ValueError(f"config.json is neither a native head nor an EAGLE serving folder (architectures={arch!r})")
-    if target_config is None:
-        raise ValueError("this serving folder has no 'drafthead_config': pass the target to load_head(target=...)")
-    from .config import _text_config
-
-    tcfg = _text_config(target_config)
-    kind = "eagle3" if arch == ARCHITECTURES["eagle3"] else "eagle1"
-    hidden = values["hidden_size"]
-    ids = (values.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if ids is None and values.get("eagle_aux_hidden_state_layer_ids") is not None:
-        ids = [k - 1 for k in values["eagle_aux_hidden_state_layer_ids"]]  # vLLM's key: input of layer k
-    return HeadConfig(
-        kind=kind,
-        hidden_size=hidden,
-        intermediate_size=values["intermediate_size"],
-        num_attention_heads=values["num_attention_heads"],
-        num_key_value_heads=values.get("num_key_value_heads") or values["num_attention_heads"],
-        head_dim=values.get("head_dim") or hidden // values["num_attention_heads"],
-        rms_norm_eps=values.get("rms_norm_eps", 1e-6),
-        hidden_act=values.get("hidden_act", "silu"),
-        rope_theta=float(values.get("rope_theta", 10000.0)),
-        rope_scaling=values.get("rope_scaling"),
-        max_position_embeddings=values.get("max_position_embeddings", tcfg.max_position_embeddings),
-        vocab_size=values.get("vocab_size", tcfg.vocab_size),
-        draft_vocab_size=values.get("draft_vocab_size") or values.get("vocab_size", tcfg.vocab_size),
-        target_hidden_size=values.get("target_hidden_size") or hidden,
-        target_num_layers=tcfg.num_hidden_layers,
-        target_model_type=tcfg.model_type,
-        aux_layer_ids=ids if ids is not None else default_aux_layer_ids(tcfg.num_hidden_layers),
-    )
 
 
 def write_serving_folder(head: DraftHead, folder: str | Path, fmt: str | None = None) -> None:
@@ -135,13 +76,8 @@ def write_serving_folder(head: DraftHead, folder: str | Path, fmt: str | None = 
         raise ValueError(f"--format must be one of {FORMATS}, got {fmt!r}")
     if fmt != head.config.kind:
         raise ValueError(f"a {head.config.kind} head cannot be exported as {fmt}: train a {fmt} head instead")
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in head.saved_state_dict().items()}
-    state = serving_tensor_names(state, fmt)
     dtype = next(head.fc.parameters()).dtype
-    atomic_write_bytes(folder / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-    atomic_write_json(folder / CONFIG_NAME, serving_config(head.config, dtype))
+    write_head_folder(folder, serving_tensor_names(head.saved_state_dict(), fmt), serving_config(head.config, dtype))
 
 
 def _remove(path: Path) -> None:
@@ -156,8 +92,6 @@ def export_head(src: str | Path | DraftHead, out: str | Path, fmt: str | None = 
 
     Refuses an existing non-empty `out` unless `force`. Raises ExportValidationError if the result is wrong.
     """
-    from .validate import validate_export
-
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not force:
@@ -189,8 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", choices=FORMATS, default=None, help="default: the head's own kind")
     parser.add_argument("--force", action="store_true", help="replace an existing non-empty OUT")
     args = parser.parse_args(argv)
-    from .validate import ExportValidationError
-
     try:
         out = export_head(args.src, args.out, args.format, args.force)
     except (ExportValidationError, FileExistsError, FileNotFoundError, ValueError) as err:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from drafthead.dtypes import parse_dtype
+from drafthead.utils import parse_dtype
 
 
 def cpu_has_bf16() -> bool:

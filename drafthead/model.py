@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from .config import HeadConfig
-
-FROZEN_PREFIXES = ("embed_tokens.", "target_norm.", "target_lm_head.")
+from .format import FROZEN_PREFIXES
 
 
 class HeadKVCache:
@@ -191,19 +189,7 @@ class DraftHead(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
     # ------------------------------------------------------------------------------------- checkpoints
+    # (drafthead.checkpoint: save_head / load_head write and read these tensors)
     def saved_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything that belongs to the head (no borrowed target weights), in the native tensor names."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith(FROZEN_PREFIXES)}
-
-    def save_pretrained(self, path: str | Path) -> None:
-        """Write config.json + model.safetensors atomically (temp files then rename)."""
-        from .checkpoint import save_head
-
-        save_head(self, path)
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, target: nn.Module | None = None, **kwargs) -> "DraftHead":
-        """Load a native head folder; with `target`, check compatibility and attach its frozen modules."""
-        from .checkpoint import load_head
-
-        return load_head(path, target=target, **kwargs)

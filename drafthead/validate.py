@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from .checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_head
-from .export import ARCHITECTURES
+from .checkpoint import load_head
+from .format import ARCHITECTURES, CONFIG_NAME, NATIVE_KEY, NATIVE_LAYER, SERVING_LAYER, WEIGHTS_NAME, vllm_aux_ids
 from .model import DraftHead
 
 
@@ -37,7 +37,7 @@ def expected_shapes(cfg: dict[str, Any], kind: str) -> dict[str, tuple[int, ...]
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
     attn_in = 2 * h if kind == "eagle3" else h
-    layer = "midlayer." if kind == "eagle3" else "layers.0."
+    layer = NATIVE_LAYER if kind == "eagle3" else SERVING_LAYER
     shapes = {
         f"{layer}self_attn.q_proj.weight": (q, attn_in),
         f"{layer}self_attn.k_proj.weight": (kv, attn_in),
@@ -52,8 +52,8 @@ def expected_shapes(cfg: dict[str, Any], kind: str) -> dict[str, tuple[int, ...]
         num_aux = len(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
         shapes.update({
             "fc.weight": (h, num_aux * cfg["target_hidden_size"]),
-            "midlayer.input_layernorm.weight": (h,),
-            "midlayer.hidden_norm.weight": (h,),
+            f"{layer}input_layernorm.weight": (h,),
+            f"{layer}hidden_norm.weight": (h,),
             "norm.weight": (h,),
             "lm_head.weight": (cfg["draft_vocab_size"], h),
             "d2t": (cfg["draft_vocab_size"],),
@@ -91,17 +91,17 @@ def _check_config(cfg: dict[str, Any]) -> str:
         if not eagle.get("use_aux_hidden_state", False):
             raise ExportValidationError("config.json eagle_config.use_aux_hidden_state must be true")
         sglang, vllm = eagle["eagle_aux_hidden_state_layer_ids"], cfg["eagle_aux_hidden_state_layer_ids"]
-        if [k + 1 for k in sglang] != list(vllm):
+        if vllm_aux_ids(sglang) != list(vllm):
             raise ExportValidationError(
                 f"aux layer ids disagree: eagle_config (SGLang, output of layer k) has {sglang}, so the top-level "
-                f"vLLM key (input of layer k) must be {[k + 1 for k in sglang]}, got {vllm}"
+                f"vLLM key (input of layer k) must be {vllm_aux_ids(sglang)}, got {vllm}"
             )
     return kind
 
 
 def _check_native_agreement(cfg: dict[str, Any], kind: str) -> None:
     """Our own "drafthead_config" key (used by load_head) must say what the serving fields say."""
-    native = cfg.get("drafthead_config")
+    native = cfg.get(NATIVE_KEY)
     if native is not None:
         keys = ["hidden_size", "intermediate_size", "vocab_size"] + (["draft_vocab_size"] if kind == "eagle3" else [])
         for key in keys:
@@ -140,7 +140,7 @@ def _check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> 
 def _check_tensors(state: dict[str, torch.Tensor], cfg: dict[str, Any], kind: str) -> None:
     names = set(state)
     if kind == "eagle3":
-        if any(n.startswith("layers.0.") for n in names):
+        if any(n.startswith(SERVING_LAYER) for n in names):
             raise ExportValidationError(
                 "EAGLE-3 tensors are named layers.0.*; SGLang silently drops them: they must be midlayer.*"
             )

@@ -34,6 +34,8 @@ from .prompt_lookup import PromptLookupDrafter
 from .runner import make_runner
 from .jsonl import iter_jsonl
 from drafthead.hardware import resolve_dtype
+from drafthead.paths import cache_dir
+from drafthead.utils import atomic_write_json
 from .ties import explain_divergence
 from .tree import TreeOptions, tree_options
 
@@ -42,8 +44,7 @@ def load_prompts(spec: str, limit: int | None, category: str | None = None) -> l
     """'mt_bench' (first turns from the asset cache) or a JSONL file with `turns`, `prompt` or `messages`; only
     the rows of `category` (MT-bench's `category` field, e.g. coding) when given."""
     if spec == "mt_bench":
-        cache = Path(os.environ.get("DRAFTHEAD_CACHE", Path.home() / ".cache" / "drafthead")).expanduser()
-        path = cache / "data" / "mt_bench.jsonl"
+        path = cache_dir() / "data" / "mt_bench.jsonl"
         if not path.exists():
             raise SystemExit(f"{path} missing: run `python scripts/fetch_assets.py`")
     else:
@@ -448,9 +449,7 @@ def cpu_flags() -> list[str]:
 def write_json(path: Path, result: dict) -> None:
     """Atomic write (temp file + rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write_json(path, result)
 
 
 def plot(result: dict, path: Path) -> None:

@@ -10,11 +10,12 @@ cheaper, at the price of never drafting the rare tokens. Output stays lossless: 
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from drafthead.paths import cache_dir
 
 from .jsonl import iter_jsonl
 
@@ -23,8 +24,7 @@ ASSISTANT = {"gpt", "assistant", "chatgpt", "bard", "bing"}
 
 def default_corpus() -> Path:
     """ShareGPT conversations in the asset cache (scripts/fetch_assets.py)."""
-    cache = Path(os.environ.get("DRAFTHEAD_CACHE", Path.home() / ".cache" / "drafthead")).expanduser()
-    return cache / "data" / "sharegpt.jsonl"
+    return cache_dir() / "data" / "sharegpt.jsonl"
 
 
 def assistant_token_counts(tokenizer: Any, path: str | Path, vocab_size: int, limit: int = 2000) -> torch.Tensor:

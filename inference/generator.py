@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 
 from drafthead import DraftHead, check_compatible, load_head
-from drafthead.checkpoint import CONFIG_NAME
-from drafthead.dtypes import parse_dtype
+from drafthead.format import ARCHITECTURES, CONFIG_NAME, FOREIGN_EAGLE1_ARCHITECTURE, NATIVE_KEY
+from drafthead.utils import parse_dtype
 from drafthead.masks import causal_allowed
 
 from .draft_model import DraftModelDrafter, check_same_tokenizer
@@ -392,7 +392,7 @@ def is_head_folder(path: str | Path) -> bool:
         return False
     values = json.loads(config.read_text())
     arch = (values.get("architectures") or [""])[0]
-    return "drafthead_config" in values or "Eagle" in arch or arch == "EAGLEModel"
+    return NATIVE_KEY in values or arch in ARCHITECTURES.values() or arch == FOREIGN_EAGLE1_ARCHITECTURE
 
 
 def _synchronizer(device: torch.device) -> Callable[[], None]:

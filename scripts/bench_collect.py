@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from drafthead.capture import decoder_layers  # noqa: E402
 from drafthead.config import default_aux_layer_ids  # noqa: E402
+from drafthead.utils import cache_dir  # noqa: E402
 from train.collect import collect_split, length_batches  # noqa: E402
 from train.conversations import read_conversations  # noqa: E402
 from train.prepare import encode  # noqa: E402
-from train.recipe import default_cache  # noqa: E402
 from train.target import load_target, load_tokenizer  # noqa: E402
 
 
@@ -47,8 +47,8 @@ def bare_forward(model, split, shard_sequences: int, batch_tokens: int, device: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=os.path.join(default_cache(), "models", "SmolLM2-135M-Instruct"))
-    parser.add_argument("--data", default=os.path.join(default_cache(), "data", "sharegpt.jsonl"))
+    parser.add_argument("--target", default=str(cache_dir() / "models" / "SmolLM2-135M-Instruct"))
+    parser.add_argument("--data", default=str(cache_dir() / "data" / "sharegpt.jsonl"))
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sequences", type=int, default=200)

@@ -76,28 +76,28 @@ def main() -> None:
     from transformers import AutoConfig
 
     recipe = load_recipe(args.recipe)
-    cfg = AutoConfig.from_pretrained(recipe["target"]).get_text_config()
-    aux = recipe["head"].get("aux_layer_ids") or default_aux_layer_ids(cfg.num_hidden_layers)
-    seq_len = args.seq_len or recipe["train"]["max_length"]
+    cfg = AutoConfig.from_pretrained(recipe.target).get_text_config()
+    aux = recipe.head.aux_layer_ids or default_aux_layer_ids(cfg.num_hidden_layers)
+    seq_len = args.seq_len or recipe.train.max_length
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
     for key in ("ACCELERATE_USE_CPU", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
         env.pop(key, None)
     tcmalloc = next((p for p in TCMALLOC if p.exists()), None)
     if tcmalloc:
         env["LD_PRELOAD"] = str(tcmalloc)
-    results = {"target": recipe["target"], "seq_len": seq_len, "steps": args.steps,
-               "draft_vocab_size": recipe["head"]["draft_vocab_size"], "ttt_steps": recipe["train"]["ttt_steps"],
+    results = {"target": recipe.target, "seq_len": seq_len, "steps": args.steps,
+               "draft_vocab_size": recipe.head.draft_vocab_size, "ttt_steps": recipe.train.ttt_steps,
                "mixed_precision": args.precision, "cpu_count": os.cpu_count(), "tcmalloc": bool(tcmalloc), "runs": {}}
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
         tmp = Path(tmp)
-        synthetic_features(tmp / "features", recipe["target"], aux, cfg.hidden_size, cfg.vocab_size,
+        synthetic_features(tmp / "features", recipe.target, aux, cfg.hidden_size, cfg.vocab_size,
                            args.sequences, seq_len)
         for nproc in [int(p) for p in args.processes.split(",")]:
             out = tmp / f"out{nproc}"
             overrides = [f"features.dir={tmp / 'features'}", f"train.output_dir={out}", f"train.max_steps={args.steps}",
                          "train.batch_size=1", "train.grad_accum=1", f"train.mixed_precision={args.precision}",
                          f"train.max_length={seq_len}", "train.save_every=1000000", "train.eval_every=1000000",
-                         "train.warmup_steps=1"]
+                         "train.warmup_steps=1", "train.debug_report=true"]  # ranks/*.json: peak RSS
             if nproc == 1:
                 cmd = [sys.executable, "-m", "train", args.recipe, *overrides]
             else:

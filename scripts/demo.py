@@ -22,6 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from drafthead.hardware import cpu_has_bf16  # noqa: E402
+from drafthead.paths import cache_dir  # noqa: E402
 PY = sys.executable
 RECIPE = "configs/smollm2-135m-eagle3.yaml"
 
@@ -41,8 +42,7 @@ def run(cmd: list[str], env: dict | None = None) -> None:
 
 def main() -> None:
     run_dir = Path(os.environ.get("RUN_DIR", "runs/demo"))
-    cache = Path(os.environ.get("DRAFTHEAD_CACHE", Path.home() / ".cache" / "drafthead")).expanduser()
-    target = cache / "models" / "SmolLM2-135M-Instruct"
+    target = cache_dir() / "models" / "SmolLM2-135M-Instruct"
     # bf16 where the CPU multiplies it natively; on AVX2-only CPUs bf16 is emulated and ~8x slower than fp32
     precision = os.environ.get("DEMO_PRECISION") or ("bf16" if cpu_has_bf16() else "fp32")
     device = os.environ.get("DEMO_DEVICE", "cpu")

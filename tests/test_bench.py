@@ -9,6 +9,7 @@ import torch
 from tiny import tiny_head
 
 from conftest import save_tiny_target
+from drafthead import save_head
 
 
 def test_bench_json_and_bf16_divergences(tmp_path):
@@ -18,7 +19,7 @@ def test_bench_json_and_bf16_divergences(tmp_path):
 
     target_dir = save_tiny_target(tmp_path / "target")
     target = AutoModelForCausalLM.from_pretrained(target_dir)
-    tiny_head(target, draft_vocab_size=200).save_pretrained(tmp_path / "head")
+    save_head(tiny_head(target, draft_vocab_size=200), tmp_path / "head")
     words = ["alpha beta gamma", "one two three four", "red green blue", "sun moon star", "up down left right"]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": w}) + "\n" for w in words))
     out = tmp_path / "bench.json"
@@ -32,7 +33,14 @@ def test_bench_json_and_bf16_divergences(tmp_path):
     assert set(result["tokens_per_s"]) == {"plain", "prompt_lookup", "engine_plain", "speculative_cpu",
                                            "speculative_gpu"}
     assert result["speedup_vs_engine_plain"] > 0 and result["runner"] == "StaticRunner"
-    assert result["tau"] >= 1.0 and (tmp_path / "bench.png").exists()
+    assert (tmp_path / "bench.png").exists()
+    # tau is the mean accepted length (bonus token included) over every verification of every prompt, and the
+    # histogram counts exactly those lengths
+    lengths = [n for row in result["per_prompt"]["speculative_cpu"] for n in row["stats"]["accept_lengths"]]
+    hist = {int(k): v for k, v in result["methods"]["speculative_cpu"]["accept_histogram"].items()}
+    assert lengths and sorted(lengths) == sorted(n for n, count in hist.items() for _ in range(count))
+    assert all(n >= 1 for n in lengths)
+    assert result["tau"] == sum(lengths) / len(lengths)
     steps = result["methods"]["speculative_cpu"]["ms_per_step"]
     assert steps["verify"] > 0 and steps["draft"] > 0
     # every bf16 divergence from plain greedy decoding is a near-tie or vanishes when replayed in float32
@@ -48,7 +56,7 @@ def test_bench_reports_after_every_prompt(tmp_path):
 
     from inference.bench import build_parser, run_bench
 
-    tiny_head(AutoModelForCausalLM.from_pretrained(target_dir), draft_vocab_size=200).save_pretrained(tmp_path / "h")
+    save_head(tiny_head(AutoModelForCausalLM.from_pretrained(target_dir), draft_vocab_size=200), tmp_path / "h")
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": w}) + "\n" for w in ["a b", "c d e", "f"]))
     args = build_parser().parse_args(["--target", str(target_dir), "--draft", str(tmp_path / "h"), "--prompts",
                                       str(tmp_path / "p.jsonl"), "--max-new-tokens", "8", "--tree", "chain",
@@ -67,7 +75,7 @@ def test_bench_measures_every_drafter_in_one_run(tmp_path):
 
     target_dir = save_tiny_target(tmp_path / "target")
     small_dir = save_tiny_target(tmp_path / "small", seed=3)
-    tiny_head(AutoModelForCausalLM.from_pretrained(target_dir), draft_vocab_size=200).save_pretrained(tmp_path / "h")
+    save_head(tiny_head(AutoModelForCausalLM.from_pretrained(target_dir), draft_vocab_size=200), tmp_path / "h")
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": w}) + "\n" for w in ["a b a b a", "c d e c d"]))
     args = build_parser().parse_args([
         "--target", str(target_dir), "--draft", str(tmp_path / "h"), "--draft-model", str(small_dir),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
@@ -126,7 +127,10 @@ def test_killed_run_resumes_to_identical_shards(tmp_path):
 
     code, out = _run(recipe)
     assert code == 0, out
-    assert "shards_skipped" in out and not list(folder.glob(".*.tmp"))
+    assert not list(folder.glob(".*.tmp"))
+    counts = ast.literal_eval(next(line for line in out.splitlines() if line.startswith("train: "))[len("train: "):])
+    done_before = len(partial["shards"])  # the killed run's finished shards are skipped, the others written
+    assert (counts["shards_skipped"], counts["shards_written"]) == (done_before, 16 - done_before), (out, partial)
     resumed = _listed_shards_are_whole(folder)
 
     reference = tmp_path / "reference"

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from test_trainer import REPO, env, head_tensors, make_run, read_log
+from test_trainer import REPO, check_eval_tau, env, head_tensors, make_run, read_log
 
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 
@@ -35,7 +35,7 @@ def launch(recipe: Path, stage: int, *overrides: str, timeout: int = 300) -> str
 @pytest.mark.parametrize("stage,precision", [(2, "fp32"), (3, "bf16")])
 def test_ranks_synchronise(tmp_path, stage, precision):
     recipe = make_run(tmp_path, n_train=16, n_val=8, max_steps=3, save_every=100, eval_every=3,
-                      mixed_precision=precision)
+                      mixed_precision=precision, debug_report=True)
     output = launch(recipe, stage)
     assert f"engine=DeepSpeedEngine zero_stage={stage} world_size=2" in output
     out = tmp_path / "out"
@@ -54,7 +54,8 @@ def test_ranks_synchronise(tmp_path, stage, precision):
     for name, value in ranks[0]["param_sums"].items():
         assert abs(float(final[name].double().sum()) - value) <= 1e-3 * max(1.0, abs(value)), name
     log = read_log(out)
-    assert [r["step"] for r in log] == [1, 2, 3] and log[-1]["eval_tau"] >= 1.0
+    assert [r["step"] for r in log] == [1, 2, 3]
+    check_eval_tau(log[-1], ttt_steps=3)
 
 
 def _wait_then_kill(proc: subprocess.Popen, log: Path, step: int, timeout: float = 240) -> int:

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny import tiny_head, tiny_model
 
-from drafthead import HeadMismatchError, load_head
+from drafthead import HeadMismatchError, load_head, save_head
 from drafthead.export import export_head
 from drafthead.validate import ExportValidationError, validate_export
 from drafthead.vocab import build_draft_vocab
@@ -46,7 +46,7 @@ def logits_of(head, seed: int = 0) -> torch.Tensor:
 def test_export_reload_identical_logits(tmp_path, arch, kind):
     target = tiny_model(arch)
     head = tiny_head(target, kind, aux_layer_ids=[0, 3, 6] if kind == "eagle3" else None)
-    head.save_pretrained(tmp_path / "native")
+    save_head(head, tmp_path / "native")
     export_head(tmp_path / "native", tmp_path / "serving")
     out = tmp_path / "serving"
     names = set(load_file(str(out / "model.safetensors")))
@@ -80,7 +80,7 @@ def test_export_reload_identical_logits(tmp_path, arch, kind):
 def test_export_keeps_bf16(tmp_path):
     target = tiny_model("llama")
     head = tiny_head(target, "eagle3").to(torch.bfloat16)
-    head.save_pretrained(tmp_path / "native")
+    save_head(head, tmp_path / "native")
     export_head(tmp_path / "native", tmp_path / "serving")
     state = load_file(str(tmp_path / "serving" / "model.safetensors"))
     assert state["fc.weight"].dtype == torch.bfloat16 and state["d2t"].dtype == torch.int64
@@ -197,7 +197,7 @@ def test_validator_rejects_logit_mismatch(good_export):
 
 
 def test_cli_exports_and_refuses_overwrite(tmp_path, capsys):
-    tiny_head(tiny_model("qwen2"), "eagle3").save_pretrained(tmp_path / "native")
+    save_head(tiny_head(tiny_model("qwen2"), "eagle3"), tmp_path / "native")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "drafthead.export", str(tmp_path / "native"), str(tmp_path / "out")]
     first = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path)

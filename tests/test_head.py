@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny import tiny_head, tiny_model
 
-from drafthead import HeadConfig, HeadKVCache, HeadMismatchError, load_head
+from drafthead import HeadConfig, HeadKVCache, HeadMismatchError, load_head, save_head
 from drafthead.capture import HiddenStateCapture
 from drafthead.masks import causal_mask, to_additive
 from drafthead.ttt import ttt_unroll
@@ -173,7 +173,7 @@ def test_parameter_count_closed_form(target, kind):
 @torch.no_grad()
 def test_save_load_identical_logits(target, kind, tmp_path):
     head = tiny_head(target, kind)
-    head.save_pretrained(tmp_path / "head")
+    save_head(head, tmp_path / "head")
     loaded = load_head(tmp_path / "head", target=target, kind=kind)
     ids = random_ids(1, 8, head.config.vocab_size)
     feats = target_features(target, head, ids)
@@ -204,7 +204,7 @@ def test_save_load_identical_logits(target, kind, tmp_path):
 )
 def test_load_mismatched_target_names_field(tmp_path, overrides, field):
     target = tiny_model("llama")
-    tiny_head(target, "eagle3", aux_layer_ids=[1, 3, 6]).save_pretrained(tmp_path / "head")
+    save_head(tiny_head(target, "eagle3", aux_layer_ids=[1, 3, 6]), tmp_path / "head")
     other = tiny_model("llama", **overrides)
     with pytest.raises(HeadMismatchError, match=field):
         load_head(tmp_path / "head", target=other)
@@ -212,7 +212,7 @@ def test_load_mismatched_target_names_field(tmp_path, overrides, field):
 
 def test_load_wrong_kind_names_kind(tmp_path):
     target = tiny_model("llama")
-    tiny_head(target, "eagle1").save_pretrained(tmp_path / "head")
+    save_head(tiny_head(target, "eagle1"), tmp_path / "head")
     with pytest.raises(HeadMismatchError, match="head kind"):
         load_head(tmp_path / "head", target=target, kind="eagle3")
     with pytest.raises(HeadMismatchError, match="head kind"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafthead import DraftHead, HeadConfig
+from drafthead import DraftHead, HeadConfig, save_head
 from inference import SpeculativeGenerator
 
 torch.set_num_threads(1)
@@ -22,7 +23,7 @@ def head_dir(smollm2, tmp_path_factory) -> Path:
     torch.manual_seed(0)
     head = DraftHead(HeadConfig.from_target_config(smollm2.config, draft_vocab_size=4096))  # d2t = identity
     path = tmp_path_factory.mktemp("head")
-    head.save_pretrained(path)
+    save_head(head, path)
     return path
 
 
@@ -49,7 +50,18 @@ def test_cli_streams(smollm2_path, head_dir):
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120,
                          cwd=Path(__file__).resolve().parent.parent)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip() and "tau" in run.stderr and "tok/s" in run.stderr
+    stats = re.search(r"\[tau (\d+\.\d\d) \| (\d+) tokens in .* tok/s \| target forwards (\d+) \|", run.stderr)
+    assert stats, run.stderr[-2000:]
+    # the CLI streams and reports what the library computes for the same request
+    gen = SpeculativeGenerator.from_pretrained(str(smollm2_path), head_dir, dtype="float32", tree="cpu")
+    ids = gen.tokenizer.apply_chat_template([{"role": "user", "content": "Say hello."}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+    out = gen.generate(ids, max_new_tokens=12)
+    text = gen.tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
+    assert run.stdout.strip() == text.strip()
+    assert stats.groups() == (f"{out.stats.mean_accepted:.2f}", str(out.stats.new_tokens),
+                              str(out.stats.target_forwards))
+
 
 
 def shallow_copy_of(model, layers: int):

@@ -91,6 +91,14 @@ def read_log(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line.strip()]
 
 
+def check_eval_tau(record: dict, ttt_steps: int) -> None:
+    """tau - 1 (accepted drafts per chain) is at least acc_0 (a step-0 hit is accepted), at most the sum of the
+    step accuracies, and at most ttt_steps * acc_0 (a chain goes on only from a step-0 hit)."""
+    accs = [record[f"eval_acc_{i}"] for i in range(ttt_steps)]
+    accepted = record["eval_tau"] - 1.0
+    assert accs[0] - 1e-9 <= accepted <= min(sum(accs), ttt_steps * accs[0]) + 1e-9, (record["eval_tau"], accs)
+
+
 def head_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "model.safetensors"))
 
@@ -106,9 +114,10 @@ def test_learning_eagle3(tmp_path):
     assert log[0]["acc_0"] < 0.1 and log[-1]["eval_acc_0"] > 0.15, (log[0]["acc_0"], log[-1]["eval_acc_0"])
     assert {"eval_acc_0", "eval_acc_1", "eval_acc_2", "eval_tau", "eval_loss"} <= set(log[-1])
     assert log[-1]["eval_tau"] > 1.1
-    from drafthead import DraftHead
+    check_eval_tau(log[-1], ttt_steps=3)
+    from drafthead import load_head
 
-    head = DraftHead.from_pretrained(tmp_path / "out" / "final")
+    head = load_head(tmp_path / "out" / "final")
     assert head.config.draft_vocab_size == 256 and int(head.t2d.sum()) == 256
     assert (tmp_path / "out" / "checkpoint-40" / "training_state").is_dir()
 
@@ -120,9 +129,9 @@ def test_eagle1_trains(tmp_path):
     assert len(log) == 6 and all(r["loss"] == r["loss"] for r in log)
     assert log[-1]["loss"] < log[0]["loss"]
     assert "eval_acc_0" in log[-1] and "eval_acc_1" not in log[-1]
-    from drafthead import DraftHead
+    from drafthead import load_head
 
-    assert DraftHead.from_pretrained(tmp_path / "out" / "final").config.kind == "eagle1"
+    assert load_head(tmp_path / "out" / "final").config.kind == "eagle1"
 
 
 def test_aux_mismatch_refused(tmp_path):

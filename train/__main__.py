@@ -7,9 +7,5 @@ from train.recipe import recipe_main
 from train.trainer import train
 
 
-def main(argv: list[str] | None = None) -> None:
-    recipe_main(train, __doc__, argv)
-
-
 if __name__ == "__main__":
-    main()
+    recipe_main(train, __doc__)

@@ -13,6 +13,7 @@ with the target inside the loop (`with_online_features`); everything after the f
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -106,6 +107,12 @@ class PreparedSequences(torch.utils.data.Dataset):
 
     def lengths(self) -> list[int]:
         return [len(ids) for ids in self.data.with_format(None)["input_ids"]]
+
+    def token_arrays(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(input_ids, loss_mask) of every sequence (as FeatureDataset.token_arrays, one sequence at a time)."""
+        for i in range(len(self)):
+            item = self[i]
+            yield item["input_ids"], item["loss_mask"]
 
 
 def with_online_features(items: list[dict[str, torch.Tensor]], target: torch.nn.Module, aux_layer_ids: list[int],

@@ -26,10 +26,10 @@ import torch
 from tqdm import tqdm
 
 from drafthead.capture import HiddenStateCapture, decoder_layers
-from drafthead.checkpoint import atomic_write_json
 from drafthead.config import default_aux_layer_ids
+from drafthead.utils import atomic_write_json, dtype_name
 from train.features import MANIFEST, FeatureWriter, Sequence, shard_name
-from train.recipe import recipe_main
+from train.recipe import Recipe, parse_recipe, recipe_main
 from train.target import load_target, target_config_hash, target_name
 
 FEATURE_DTYPE = torch.bfloat16
@@ -109,7 +109,7 @@ def collect_split(
     num = len(split)
     num_shards = math.ceil(num / shard_sequences)
     header = {**header, "aux_layer_ids": list(aux_layer_ids), "last_layer_id": last_layer_id,
-              "dtype": "bfloat16", "shard_sequences": shard_sequences, "num_sequences_planned": num}
+              "dtype": dtype_name(FEATURE_DTYPE), "shard_sequences": shard_sequences, "num_sequences_planned": num}
     with manifest_lock(folder):
         writer = FeatureWriter(folder, header)
         _reload(writer)
@@ -139,44 +139,37 @@ def collect_split(
     return {"shards_written": len(mine), "shards_skipped": skipped, "tokens": total}
 
 
-def collect(recipe: dict) -> dict:
+def collect(recipe: Recipe | dict) -> dict:
     """Collect the splits named by features.splits (default train and validation) of data.prepared_dir."""
     from datasets import load_from_disk
 
-    feats = recipe["features"]
+    recipe = parse_recipe(recipe)
+    feats = recipe.features
     rank, world, local_rank = rank_and_world()
-    device = torch.device(recipe.get("device", "cpu"))
+    device = torch.device(recipe.device)
     if device.type == "cuda" and device.index is None and world > 1:
         device = torch.device("cuda", local_rank)
-    prepared = Path(recipe["data"]["prepared_dir"])
+    prepared = Path(recipe.data.prepared_dir)
     if not prepared.exists():
         raise SystemExit(f"error: {prepared} not found: run `python -m train.prepare RECIPE` first")
     data = load_from_disk(str(prepared))
     # features are stored bf16 either way; 'auto' computes them in bf16 only where the hardware is native bf16
-    dtype = feats.get("target_dtype") or recipe.get("dtype", "auto")
-    model = load_target(recipe["target"], device=device, dtype=dtype)
-    num_layers = len(decoder_layers(model))
-    aux = (recipe.get("head") or {}).get("aux_layer_ids") or default_aux_layer_ids(num_layers)
-    header = {"target": target_name(recipe["target"]), "target_config_hash": target_config_hash(recipe["target"]),
+    model = load_target(recipe.target, device=device, dtype=feats.target_dtype or recipe.dtype)
+    aux = recipe.head.aux_layer_ids or default_aux_layer_ids(len(decoder_layers(model)))
+    header = {"target": target_name(recipe.target), "target_config_hash": target_config_hash(recipe.target),
               "hidden_size": int(model.config.get_text_config().hidden_size),
-              "target_dtype": str(model.dtype).replace("torch.", "")}
-    validation_dir = feats.get("validation_dir") or os.path.join(feats["dir"], "validation")
-    folders = {"train": feats["dir"], "validation": validation_dir}
+              "target_dtype": dtype_name(model.dtype)}
     results = {}
-    for name in feats.get("splits") or ["train", "validation"]:
+    for name in feats.splits or ["train", "validation"]:
         if name not in data:
             raise SystemExit(f"error: {prepared} has no split {name!r} (it has {list(data)})")
         results[name] = collect_split(
-            model, data[name], folders.get(name, os.path.join(feats["dir"], name)), header, list(aux),
-            int(feats["shard_sequences"]), int(feats["batch_tokens"]), device, rank, world, desc=name,
+            model, data[name], feats.split_dir(name), header, list(aux),
+            feats.shard_sequences, feats.batch_tokens, device, rank, world, desc=name,
         )
         print(f"{name}: {results[name]}")
     return results
 
 
-def main(argv: list[str] | None = None) -> None:
-    recipe_main(collect, __doc__, argv)
-
-
 if __name__ == "__main__":
-    main()
+    recipe_main(collect, __doc__)

@@ -19,13 +19,12 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from drafthead.checkpoint import atomic_write_bytes, atomic_write_json
+from drafthead.utils import atomic_save_safetensors, atomic_write_json
 
 FORMAT = "drafthead-features/1"
 MANIFEST = "manifest.json"
@@ -86,7 +85,7 @@ class FeatureWriter:
             "last_hidden": torch.cat([s.last_hidden for s in sequences]).to(torch.bfloat16).contiguous(),
         }
         name = shard_name(index)
-        atomic_write_bytes(self.folder / name, lambda tmp: save_file(tensors, tmp))
+        atomic_save_safetensors(self.folder / name, tensors)
         shards = [s for s in self.manifest["shards"] if s["index"] != index]
         shards.append({"index": index, "file": name, "num_sequences": len(sequences), "num_tokens": int(offsets[-1])})
         shards.sort(key=lambda s: s["index"])
@@ -134,6 +133,12 @@ class FeatureDataset(torch.utils.data.Dataset):
             "aux_hidden": f.get_slice("aux_hidden")[start:end],
             "last_hidden": f.get_slice("last_hidden")[start:end],
         }
+
+    def token_arrays(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(input_ids, loss_mask) of every shard, all its sequences concatenated; hidden states are not read."""
+        for shard in self.manifest["shards"]:
+            f = self._handle(shard["file"])
+            yield f.get_tensor("input_ids"), f.get_tensor("loss_mask")
 
     def lengths(self) -> list[int]:
         """Token count of every sequence (for length-bucketed batching)."""

@@ -21,7 +21,7 @@ from typing import Any
 
 from train.conversations import BadRecord, read_conversations
 from train.loss_mask import TemplateError, tokenize_with_mask
-from train.recipe import recipe_main
+from train.recipe import Recipe, parse_recipe, recipe_main
 from train.target import load_tokenizer
 
 
@@ -83,31 +83,30 @@ def save_dataset_atomic(data: Any, folder: str | Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def prepare(recipe: dict) -> dict:
+def prepare(recipe: Recipe | dict) -> dict:
     """Run the whole preparation described by `recipe`; returns the counts it printed."""
     from datasets import Dataset, DatasetDict, Features, List, Value
 
-    data_cfg = recipe["data"]
-    tokenizer = load_tokenizer(recipe["target"])
+    recipe = parse_recipe(recipe)
+    data_cfg = recipe.data
+    tokenizer = load_tokenizer(recipe.target)
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"the tokenizer of {recipe['target']} has no chat template")
+        raise ValueError(f"the tokenizer of {recipe.target} has no chat template")
     stats: Counter = Counter()
     try:
-        conversations = read_conversations(
-            data_cfg["conversations"], skip_bad=bool(data_cfg.get("skip_bad", False)),
-            limit=data_cfg.get("max_conversations"), stats=stats,
-        )
+        conversations = read_conversations(data_cfg.conversations, skip_bad=data_cfg.skip_bad,
+                                           limit=data_cfg.max_conversations, stats=stats)
     except BadRecord as e:
         raise SystemExit(f"error: {e}\n(set data.skip_bad=true to skip and count malformed records)")
     if not conversations:
-        raise SystemExit(f"error: no conversations read from {data_cfg['conversations']}")
+        raise SystemExit(f"error: no conversations read from {data_cfg.conversations}")
 
-    num_proc = int(data_cfg.get("num_proc") or min(4, os.cpu_count() or 1))
+    num_proc = int(data_cfg.num_proc or min(4, os.cpu_count() or 1))
     num_proc = max(1, min(num_proc, len(conversations) // 64 or 1))  # tiny inputs: no worker pool
     raw = Dataset.from_list(conversations)
     encoded = raw.map(
         _encode_batch, batched=True, batch_size=64, num_proc=num_proc if num_proc > 1 else None,
-        fn_kwargs={"tokenizer": tokenizer, "max_length": int(data_cfg["max_length"])},
+        fn_kwargs={"tokenizer": tokenizer, "max_length": data_cfg.max_length},
         remove_columns=["messages"], desc="tokenizing",
     )
     for status, count in Counter(encoded["status"]).items():
@@ -115,15 +114,13 @@ def prepare(recipe: dict) -> dict:
     kept = encoded.filter(lambda s: [x == "ok" for x in s], input_columns="status", batched=True,
                           desc="filtering").remove_columns("status")
 
-    fraction = float(data_cfg.get("validation_fraction", 0.0))
-    seed = int(data_cfg.get("seed", 0))
-    in_val = [is_validation(i, fraction, seed) for i in kept["id"]]
+    in_val = [is_validation(i, data_cfg.validation_fraction, data_cfg.seed) for i in kept["id"]]
     features = Features({"id": Value("string"), "input_ids": List(Value("int32")), "loss_mask": List(Value("bool"))})
     splits = DatasetDict(
         train=kept.select([j for j, v in enumerate(in_val) if not v]).cast(features),
         validation=kept.select([j for j, v in enumerate(in_val) if v]).cast(features),
     )
-    save_dataset_atomic(splits, data_cfg["prepared_dir"])
+    save_dataset_atomic(splits, data_cfg.prepared_dir)
 
     for name, split in splits.items():
         tokens = sum(len(x) for x in split["input_ids"])
@@ -135,15 +132,11 @@ def prepare(recipe: dict) -> dict:
     result = dict(sorted(stats.items()))
     masked = stats["train_masked_tokens"] + stats["validation_masked_tokens"]
     result["masked_fraction"] = round(masked / max(total, 1), 4)
-    print(f"prepared {data_cfg['prepared_dir']}:")
+    print(f"prepared {data_cfg.prepared_dir}:")
     for key, value in result.items():
         print(f"  {key}: {value}")
     return result
 
 
-def main(argv: list[str] | None = None) -> None:
-    recipe_main(prepare, __doc__, argv)
-
-
 if __name__ == "__main__":
-    main()
+    recipe_main(prepare, __doc__)

@@ -20,13 +20,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from drafthead.checkpoint import atomic_write_bytes
+from drafthead.utils import atomic_write_text
 from train.conversations import read_conversations
-from train.recipe import recipe_main
+from train.recipe import Recipe, RegenerateSection, parse_recipe, recipe_main
 from train.target import load_target, load_tokenizer
-
-DEFAULTS = {"output": None, "max_new_tokens": 256, "temperature": 0.0, "top_p": 1.0, "batch_size": 16,
-            "chunk_conversations": 256, "seed": 0}
 
 
 @torch.no_grad()
@@ -46,8 +43,8 @@ def generate_replies(model: Any, tokenizer: Any, prompts: list[list[dict]], max_
     return [r.strip() for r in replies], int((new != tokenizer.pad_token_id).sum())
 
 
-def regenerate_chunk(model: Any, tokenizer: Any, conversations: list[dict], cfg: dict, max_length: int,
-                     bar: tqdm) -> list[dict]:
+def regenerate_chunk(model: Any, tokenizer: Any, conversations: list[dict], cfg: RegenerateSection,
+                     max_length: int, bar: tqdm) -> list[dict]:
     """Replace every assistant turn of `conversations`, turn by turn across the chunk, in length-sorted batches."""
     done = [[] for _ in conversations]  # regenerated message lists so far
     cursor = [0] * len(conversations)  # index of the next original message to consume
@@ -65,15 +62,15 @@ def regenerate_chunk(model: Any, tokenizer: Any, conversations: list[dict], cfg:
                 continue
             length = len(tokenizer.apply_chat_template(done[c], tokenize=True, add_generation_prompt=True,
                                                        return_dict=True)["input_ids"])
-            if length + int(cfg["max_new_tokens"]) > max_length:  # no room left for another reply
+            if length + cfg.max_new_tokens > max_length:  # no room left for another reply
                 alive.discard(c)
                 continue
             waiting.append((length, c))
         waiting.sort()
-        for b in range(0, len(waiting), int(cfg["batch_size"])):
-            batch = [c for _, c in waiting[b : b + int(cfg["batch_size"])]]
-            replies, n = generate_replies(model, tokenizer, [done[c] for c in batch], int(cfg["max_new_tokens"]),
-                                          float(cfg["temperature"]), float(cfg["top_p"]))
+        for b in range(0, len(waiting), cfg.batch_size):
+            batch = [c for _, c in waiting[b : b + cfg.batch_size]]
+            replies, n = generate_replies(model, tokenizer, [done[c] for c in batch], cfg.max_new_tokens,
+                                          cfg.temperature, cfg.top_p)
             for c, reply in zip(batch, replies):
                 done[c].append({"role": "assistant", "content": reply})
                 cursor[c] += 1
@@ -84,38 +81,33 @@ def regenerate_chunk(model: Any, tokenizer: Any, conversations: list[dict], cfg:
             if any(m["role"] == "assistant" for m in msgs)]
 
 
-def regenerate(recipe: dict) -> Path:
+def regenerate(recipe: Recipe | dict) -> Path:
     """Run the regeneration described by recipe data.regenerate; returns the joined JSONL path."""
-    data_cfg = recipe["data"]
-    cfg = {**DEFAULTS, **(data_cfg.get("regenerate") or {})}
-    output = Path(cfg["output"] or Path(recipe.get("run_dir", ".")) / "regenerated.jsonl")
+    recipe = parse_recipe(recipe)
+    data_cfg, cfg = recipe.data, recipe.data.regenerate
+    output = Path(cfg.output or Path(recipe.run_dir) / "regenerated.jsonl")
     chunks_dir = output.with_name(output.name + ".chunks")
-    conversations = read_conversations(data_cfg["conversations"], skip_bad=bool(data_cfg.get("skip_bad", False)),
-                                       limit=data_cfg.get("max_conversations"))
-    size = int(cfg["chunk_conversations"])
+    conversations = read_conversations(data_cfg.conversations, skip_bad=data_cfg.skip_bad,
+                                       limit=data_cfg.max_conversations)
+    size = cfg.chunk_conversations
     chunks = [conversations[i : i + size] for i in range(0, len(conversations), size)]
     paths = [chunks_dir / f"chunk-{i:05d}-of-{len(chunks):05d}.jsonl" for i in range(len(chunks))]  # plan in the name
     todo = [i for i, p in enumerate(paths) if not p.exists()]
     print(f"{len(conversations)} conversations, {len(chunks)} chunks, {len(chunks) - len(todo)} already done")
     if todo:
-        tokenizer = load_tokenizer(recipe["target"])
-        model = load_target(recipe["target"], device=recipe.get("device", "cpu"), dtype=recipe.get("dtype", "auto"))
+        tokenizer = load_tokenizer(recipe.target)
+        model = load_target(recipe.target, device=recipe.device, dtype=recipe.dtype)
         bar = tqdm(total=sum(len(chunks[i]) for i in todo), unit="conv", desc="regenerate")
         for i in todo:
-            torch.manual_seed(int(cfg["seed"]) + i)  # sampled runs are reproducible chunk by chunk
-            rows = regenerate_chunk(model, tokenizer, chunks[i], cfg, int(data_cfg["max_length"]), bar)
-            text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-            atomic_write_bytes(paths[i], lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+            torch.manual_seed(cfg.seed + i)  # sampled runs are reproducible chunk by chunk
+            rows = regenerate_chunk(model, tokenizer, chunks[i], cfg, data_cfg.max_length, bar)
+            atomic_write_text(paths[i], "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         bar.close()
     joined = "".join(p.read_text(encoding="utf-8") for p in paths)
-    atomic_write_bytes(output, lambda tmp: Path(tmp).write_text(joined, encoding="utf-8"))
+    atomic_write_text(output, joined)
     print(f"wrote {output} ({joined.count(chr(10))} conversations): use it with data.conversations={output}")
     return output
 
 
-def main(argv: list[str] | None = None) -> None:
-    recipe_main(regenerate, __doc__, argv)
-
-
 if __name__ == "__main__":
-    main()
+    recipe_main(regenerate, __doc__)

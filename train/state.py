@@ -1,7 +1,7 @@
 """Checkpoints of a training run: a loadable head folder plus the full training state, published atomically.
 
     output_dir/checkpoint-<step>/
-        config.json, model.safetensors     the head (DraftHead.from_pretrained loads it)
+        config.json, model.safetensors     the head (drafthead.load_head loads it)
         trainer_state.json                 step, epoch, micro-batch position, world size, learning rate
         training_state/                    accelerator.save_state: model + optimizer (a DeepSpeed checkpoint
                                            under DeepSpeed, every rank's ZeRO shard) and the RNG state of
@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from drafthead.checkpoint import atomic_write_json
+from drafthead.checkpoint import save_head
+from drafthead.utils import atomic_write_json
 
 STATE_DIR = "training_state"
 TRAINER_STATE = "trainer_state.json"
@@ -73,7 +74,7 @@ def save_head_folder(accelerator: Accelerator, head: torch.nn.Module, path: str 
     _fresh_tmp(accelerator, tmp)
     with gathered_params(head):
         if accelerator.is_main_process:
-            head.save_pretrained(tmp)
+            save_head(head, tmp)
     _publish(accelerator, tmp, path)
 
 
@@ -87,7 +88,7 @@ def save_checkpoint(accelerator: Accelerator, head: torch.nn.Module, output_dir:
     accelerator.save_state(str(tmp / STATE_DIR))
     with gathered_params(head):
         if accelerator.is_main_process:
-            head.save_pretrained(tmp)
+            save_head(head, tmp)
     if accelerator.is_main_process:
         atomic_write_json(tmp / TRAINER_STATE, {**trainer_state, "step": step,
                                                 "world_size": accelerator.num_processes})

@@ -14,7 +14,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -23,65 +23,19 @@ from accelerate.utils import InitProcessGroupKwargs, set_seed
 
 from drafthead import DraftHead, HeadConfig
 from drafthead.config import default_aux_layer_ids
+from drafthead.utils import atomic_write_json, mixed_precision
 from drafthead.vocab import build_draft_vocab, full_vocab, token_frequencies
 from train.batches import PreparedSequences, collate, epoch_batches, rank_batches, with_online_features
 from train.evaluate import evaluate, step_statistics
 from train.features import FeatureDataset
-from drafthead.checkpoint import atomic_write_json
 from train.loss import DraftTrainModule
+from train.recipe import Recipe, TrainSection, parse_recipe
 from train.state import clean_partial, gathered_params, latest_checkpoint, load_checkpoint, save_checkpoint, \
     save_head_folder
 from train.target import load_target, target_config_hash, target_name
 
-PRECISIONS = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "no", "float32": "no",
-              "no": "no"}
 
-
-@dataclass
-class TrainConfig:
-    """The recipe's `train:` section."""
-
-    output_dir: str = "runs/train"
-    max_steps: int | None = None  # or epochs
-    epochs: int | None = None
-    save_every: int = 500
-    eval_every: int = 500
-    keep_checkpoints: int | None = 2  # null = keep all
-    batch_size: int | None = None  # sequences per micro-batch, or
-    batch_tokens: int | None = 8192  # padded tokens per micro-batch
-    grad_accum: int = 1
-    lr: float = 1e-4
-    warmup_steps: int = 100
-    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
-    weight_decay: float = 0.0
-    max_grad_norm: float = 0.5
-    ttt_steps: int = 7
-    ttt_decay: float = 0.8
-    feature_noise: float = 0.0  # EAGLE-1: uniform +-noise on the input features
-    online: bool = False
-    seed: int = 0
-    mixed_precision: str = "bf16"
-    max_length: int | None = 2048
-    eval_batches: int | None = None  # cap on validation micro-batches per rank (null = all)
-
-    @classmethod
-    def from_recipe(cls, recipe: dict) -> "TrainConfig":
-        values = dict(recipe.get("train") or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown train keys {unknown}; known: {sorted(known)}")
-        config = cls(**values)
-        if config.batch_size is not None and "batch_tokens" not in values:
-            config.batch_tokens = None
-        if (config.max_steps is None) == (config.epochs is None):
-            raise ValueError("set exactly one of train.max_steps and train.epochs")
-        if str(config.mixed_precision).lower() not in PRECISIONS:
-            raise ValueError(f"train.mixed_precision must be one of {sorted(PRECISIONS)}")
-        return config
-
-
-def lr_at(config: TrainConfig, step: int, total: int) -> float:
+def lr_at(config: TrainSection, step: int, total: int) -> float:
     """Linear warmup then cosine decay to min_lr_ratio·lr; a pure function of the step (resume-exact)."""
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
@@ -90,16 +44,23 @@ def lr_at(config: TrainConfig, step: int, total: int) -> float:
     return config.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def make_accelerator(config: TrainConfig, grad_accum: int) -> Accelerator:
-    """An Accelerator with gloo on CPU (DeepSpeed and DDP), the launcher's engine, and a sanity check."""
+def skip_shm_comm_build() -> None:
+    """Tell DeepSpeed its CPU shared-memory collectives are unavailable: building them is a ~70 s JIT compile on
+    first init, and gloo serves. DeepSpeed (0.19) has no public switch for this (DS_BUILD_* only act at install
+    time), so the probe result it caches in deepspeed.ops.__compatible_ops__ is overridden."""
     import deepspeed.ops
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # avoids a ~70 s JIT build on first init
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def make_accelerator(config: TrainSection) -> Accelerator:
+    """An Accelerator with gloo on CPU (DeepSpeed and DDP), the launcher's engine, and a sanity check."""
+    skip_shm_comm_build()
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     distributed = launched > 1 or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
     handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed and not torch.cuda.is_available() else []
-    accelerator = Accelerator(mixed_precision=PRECISIONS[str(config.mixed_precision).lower()],
-                              gradient_accumulation_steps=grad_accum, kwargs_handlers=handlers)
+    accelerator = Accelerator(mixed_precision=mixed_precision(config.mixed_precision),
+                              gradient_accumulation_steps=config.grad_accum, kwargs_handlers=handlers)
     if launched != accelerator.num_processes:
         raise RuntimeError(
             f"{launched} processes were launched but accelerate runs {accelerator.num_processes} without gradient "
@@ -109,60 +70,50 @@ def make_accelerator(config: TrainConfig, grad_accum: int) -> Accelerator:
     return accelerator
 
 
-def token_sequences(dataset):
-    """(input_ids, loss_mask) pairs of a feature or prepared dataset, without reading the hidden states."""
-    if isinstance(dataset, FeatureDataset):
-        for shard in dataset.manifest["shards"]:
-            handle = dataset._handle(shard["file"])
-            yield handle.get_tensor("input_ids"), handle.get_tensor("loss_mask")
-    else:
-        for item in dataset:
-            yield item["input_ids"], item["loss_mask"]
-
-
-def _open_split(recipe: dict, config: TrainConfig, split: str):
+def _open_split(recipe: Recipe, split: str):
     """The dataset of a split: features (offline) or prepared sequences (online); None if it does not exist."""
-    if config.online:
-        folder = Path(recipe["data"]["prepared_dir"])
+    if recipe.train.online:
         try:
-            return PreparedSequences(folder, split)
+            return PreparedSequences(Path(recipe.data.prepared_dir), split)
         except KeyError:
             if split == "train":
                 raise
             return None
-    feats = recipe.get("features") or {}
-    folder = Path(feats["dir"]) if split == "train" else Path(
-        feats.get("validation_dir") or Path(feats["dir"]) / "validation")
+    folder = Path(recipe.features.split_dir(split))
     if split != "train" and not (folder / "manifest.json").exists():
         return None
     return FeatureDataset(folder)
 
 
-def build_head(recipe: dict, config: TrainConfig, target, train_set) -> DraftHead:
+def _check_features(recipe: Recipe, kind: str, aux: list[int], features: FeatureDataset) -> None:
+    """Features must hold the head's aux layers and come from this target."""
+    manifest = features.manifest
+    if kind == "eagle3" and list(manifest.get("aux_layer_ids", aux)) != list(aux):
+        raise ValueError(
+            f"features in {features.folder} hold aux layers {manifest['aux_layer_ids']}, the recipe's head wants "
+            f"{list(aux)}: set head.aux_layer_ids to match or re-collect the features"
+        )
+    expected = target_config_hash(recipe.target)
+    if manifest.get("target_config_hash", expected) != expected:
+        raise ValueError(f"features in {features.folder} were collected from another target "
+                         f"(config hash {manifest['target_config_hash']} != {expected})")
+
+
+def build_head(recipe: Recipe, target, train_set) -> DraftHead:
     """Head shaped after the target, aux ids checked against the features, draft vocab from the train tokens."""
-    head_cfg = recipe.get("head") or {}
-    kind = head_cfg.get("kind", "eagle3")
-    num_layers = target.config.get_text_config().num_hidden_layers
-    aux = head_cfg.get("aux_layer_ids") or default_aux_layer_ids(num_layers)
+    kind = recipe.head.kind
+    text = target.config.get_text_config()
+    aux = recipe.head.aux_layer_ids or default_aux_layer_ids(text.num_hidden_layers)
     if isinstance(train_set, FeatureDataset):
-        manifest = train_set.manifest
-        if kind == "eagle3" and list(manifest.get("aux_layer_ids", aux)) != list(aux):
-            raise ValueError(
-                f"features in {train_set.folder} hold aux layers {manifest['aux_layer_ids']}, the recipe's head wants "
-                f"{list(aux)}: set head.aux_layer_ids to match or re-collect the features"
-            )
-        expected = target_config_hash(recipe["target"])
-        if manifest.get("target_config_hash", expected) != expected:
-            raise ValueError(f"features in {train_set.folder} were collected from another target "
-                             f"(config hash {manifest['target_config_hash']} != {expected})")
-    vocab_size = target.config.get_text_config().vocab_size
-    draft_vocab = head_cfg.get("draft_vocab_size") or vocab_size
-    config_ = HeadConfig.from_target_config(target.config, kind=kind, draft_vocab_size=draft_vocab,
-                                            aux_layer_ids=aux, target_name=target_name(recipe["target"]))
-    head = DraftHead(config_).attach_target(target)
+        _check_features(recipe, kind, aux, train_set)
+    vocab_size = text.vocab_size
+    draft_vocab = min(recipe.head.draft_vocab_size or vocab_size, vocab_size)
+    config = HeadConfig.from_target_config(target.config, kind=kind, draft_vocab_size=draft_vocab,
+                                           aux_layer_ids=aux, target_name=target_name(recipe.target))
+    head = DraftHead(config).attach_target(target)
     if head.eagle3:
         if draft_vocab < vocab_size:
-            d2t, t2d = build_draft_vocab(token_frequencies(token_sequences(train_set), vocab_size), draft_vocab)
+            d2t, t2d = build_draft_vocab(token_frequencies(train_set.token_arrays(), vocab_size), draft_vocab)
         else:
             d2t, t2d = full_vocab(vocab_size)
         head.d2t.copy_(d2t)
@@ -171,24 +122,28 @@ def build_head(recipe: dict, config: TrainConfig, target, train_set) -> DraftHea
 
 
 class Trainer:
-    """Builds everything from a recipe; `run()` trains to max_steps, resuming when a checkpoint exists."""
+    """Builds everything from a recipe; `run()` trains to max_steps, resuming when a checkpoint exists.
 
-    def __init__(self, recipe: dict):
-        self.recipe = recipe
-        self.config = config = TrainConfig.from_recipe(recipe)
+    With train.debug_report the run also records what tests and benchmarks check (which sequences each rank
+    trained on, full parameter sums before and after, peak RSS) into output_dir/ranks/rank-<r>.json; without
+    it none of that is kept or computed.
+    """
+
+    def __init__(self, recipe: Recipe | dict):
+        self.recipe = recipe = parse_recipe(recipe)
+        self.config = config = recipe.train
         # Load the frozen target before the Accelerator exists: under a ZeRO-3 launch transformers would
         # otherwise partition it (zero.Init), and the head copies its embedding / norm / lm_head.
-        target = load_target(recipe["target"], device="cpu",
-                             dtype=recipe.get("dtype", "float32") if config.online else "float32")
-        self.accelerator = acc = make_accelerator(config, config.grad_accum)
+        target = load_target(recipe.target, device="cpu", dtype=recipe.dtype if config.online else "float32")
+        self.accelerator = acc = make_accelerator(config)
         self.output_dir = Path(config.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         set_seed(config.seed)  # identical head init on every rank
         device = acc.device
-        self.train_set = _open_split(recipe, config, "train")
-        self.val_set = _open_split(recipe, config, "validation")
+        self.train_set = _open_split(recipe, "train")
+        self.val_set = _open_split(recipe, "validation")
         target = target.to(device)
-        head = build_head(recipe, config, target, self.train_set)
+        head = build_head(recipe, target, self.train_set)
         self.target = target if config.online else None  # offline: only the borrowed modules are kept
         self.aux_layer_ids = head.config.aux_layer_ids
         module = DraftTrainModule(head, target, config.ttt_steps, config.ttt_decay, config.feature_noise).to(device)
@@ -204,9 +159,9 @@ class Trainer:
         self.head = acc.unwrap_model(self.model).head
         self.engine = type(self.model).__name__
         self._check_engine()
-        self.initial_param_sums = self.param_sums()
         self.lengths = self.train_set.lengths()
         self.total_steps = config.max_steps or sum(self._steps_in_epoch(e) for e in range(config.epochs))
+        self.debug: DebugReport | None = DebugReport(self) if config.debug_report else None
 
     # ------------------------------------------------------------------------------------------ setup
     def _check_engine(self) -> None:
@@ -261,90 +216,130 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ loop
     def run(self) -> Path:
-        c, acc = self.config, self.accelerator
-        clean_partial(acc, self.output_dir)
-        start = 0
-        resume = latest_checkpoint(self.output_dir)
-        if resume is not None:
-            start = load_checkpoint(acc, resume)["step"]
-            acc.print(f"[train] resumed from {resume} at step {start}")
-        log = Logger(self.output_dir, acc.is_main_process, start)
-        seen: list[list[int]] = []
-        progress = _progress(self.total_steps, start, acc.is_main_process)
+        """Train from the latest checkpoint (or step 0) to total_steps; returns output_dir/final."""
+        start = self.resume()
+        log = Logger(self.output_dir, self.accelerator.is_main_process, start)
+        progress = _progress(self.total_steps, start, self.accelerator.is_main_process)
         if start == 0 and self.val_set is not None:  # the untrained baseline the learning curve starts from
-            metrics = evaluate(self.model, self.validation_batches(), lambda t: acc.reduce(t, "sum"))
-            if acc.is_main_process:
-                atomic_write_json(self.output_dir / "eval_untrained.json",
-                                  {k if k.startswith("eval_") else f"eval_{k}": v for k, v in metrics.items()})
+            self.write_untrained_eval()
         self.model.train()
         tic = time.perf_counter()
         for step, epoch, group in self.step_groups(start):
             if step >= self.total_steps:
                 break
-            lr = lr_at(c, step, self.total_steps)
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr
-            losses, tokens = [], 0
-            stats = None
-            for indices in group:
-                seen.append(indices)
-                batch = self.load_batch(self.train_set, indices)
-                tokens += sum(min(self.lengths[i], c.max_length or self.lengths[i]) for i in indices)
-                with acc.accumulate(self.model):
-                    out = self.model(**batch)
-                    acc.backward(out["loss"])
-                    grad_norm = acc.clip_grad_norm_(self.model.parameters(), c.max_grad_norm) \
-                        if acc.sync_gradients else None
-                    self.optimizer.step()
-                    self.optimizer.zero_grad()
-                losses.append(out["loss"].detach().float())
-                s = step_statistics({k: [t.detach() for t in v] if isinstance(v, list) else v
-                                     for k, v in out.items()}, batch["input_ids"])
-                stats = s if stats is None else {k: stats[k] + s[k] for k in s}
-            packed = torch.cat([torch.stack(losses).mean().reshape(1).double(), stats["correct"][:1],
-                                stats["count"][:1], torch.tensor([tokens], dtype=torch.float64, device=acc.device)])
-            packed = acc.reduce(packed, "sum")
-            elapsed = time.perf_counter() - tic
-            tic = time.perf_counter()
-            record = {"step": step + 1, "epoch": epoch, "loss": float(packed[0]) / acc.num_processes, "lr": lr,
-                      "acc_0": float(packed[1] / packed[2].clamp(min=1)), "tokens": int(packed[3]),
-                      "tokens_per_s": float(packed[3]) / max(elapsed, 1e-9)}
-            if grad_norm is not None:
-                record["grad_norm"] = float(grad_norm)
+            lr = self.set_lr(step)
+            result = self.optimizer_step(group)
+            elapsed, tic = time.perf_counter() - tic, time.perf_counter()
+            record = {"step": step + 1, "epoch": epoch, "loss": result.pop("loss"), "lr": lr,
+                      "acc_0": result.pop("acc_0"), "tokens": result["tokens"],
+                      "tokens_per_s": result.pop("tokens") / max(elapsed, 1e-9), **result}  # + grad_norm
             done = step + 1
-            if self.val_set is not None and (done % c.eval_every == 0 or done == self.total_steps):
-                metrics = evaluate(self.model, self.validation_batches(), lambda t: acc.reduce(t, "sum"))
-                record.update({k if k.startswith("eval_") else f"eval_{k}": v for k, v in metrics.items()})
-                self.model.train()
+            if self.val_set is not None and (done % self.config.eval_every == 0 or done == self.total_steps):
+                record.update(self.validate())
             log.write(record)
             progress.update(1)
             progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-            if done % c.save_every == 0 or done == self.total_steps:
-                save_checkpoint(acc, self.head, self.output_dir, done,
-                                {"epoch": epoch, "lr": lr, "grad_accum": c.grad_accum}, keep=c.keep_checkpoints)
+            if done % self.config.save_every == 0 or done == self.total_steps:
+                save_checkpoint(self.accelerator, self.head, self.output_dir, done,
+                                {"epoch": epoch, "lr": lr, "grad_accum": self.config.grad_accum},
+                                keep=self.config.keep_checkpoints)
         progress.close()
         log.close()
+        return self.finish()
+
+    def resume(self) -> int:
+        """Drop partial checkpoints; load the latest complete one. Returns the step to start from."""
+        acc = self.accelerator
+        clean_partial(acc, self.output_dir)
+        resume = latest_checkpoint(self.output_dir)
+        if resume is None:
+            return 0
+        start = load_checkpoint(acc, resume)["step"]
+        acc.print(f"[train] resumed from {resume} at step {start}")
+        return start
+
+    def set_lr(self, step: int) -> float:
+        lr = lr_at(self.config, step, self.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def optimizer_step(self, group: list[list[int]]) -> dict[str, float]:
+        """Forward/backward over the grad_accum micro-batches of one step, then the update (inside accumulate).
+        Returns loss (mean over micro-batches and ranks), acc_0, tokens (all ranks) and grad_norm."""
+        c, acc = self.config, self.accelerator
+        losses, tokens, stats, grad_norm = [], 0, None, None
+        for indices in group:
+            if self.debug is not None:
+                self.debug.seen.append(indices)
+            batch = self.load_batch(self.train_set, indices)
+            tokens += sum(min(self.lengths[i], c.max_length or self.lengths[i]) for i in indices)
+            with acc.accumulate(self.model):
+                out = self.model(**batch)
+                acc.backward(out["loss"])
+                grad_norm = acc.clip_grad_norm_(self.model.parameters(), c.max_grad_norm) \
+                    if acc.sync_gradients else None
+                self.optimizer.step()
+                self.optimizer.zero_grad()
+            losses.append(out["loss"].detach().float())
+            s = step_statistics({k: [t.detach() for t in v] if isinstance(v, list) else v
+                                 for k, v in out.items()}, batch["input_ids"])
+            stats = s if stats is None else {k: stats[k] + s[k] for k in s}
+        packed = torch.cat([torch.stack(losses).mean().reshape(1).double(), stats["correct"][:1],
+                            stats["count"][:1], torch.tensor([tokens], dtype=torch.float64, device=acc.device)])
+        packed = acc.reduce(packed, "sum")
+        result = {"loss": float(packed[0]) / acc.num_processes, "acc_0": float(packed[1] / packed[2].clamp(min=1)),
+                  "tokens": int(packed[3])}
+        if grad_norm is not None:
+            result["grad_norm"] = float(grad_norm)
+        return result
+
+    def validate(self) -> dict[str, float]:
+        """Validation metrics over all ranks, keys prefixed eval_ (the model is back in train mode after)."""
+        metrics = evaluate(self.model, self.validation_batches(), lambda t: self.accelerator.reduce(t, "sum"))
+        self.model.train()
+        return {k if k.startswith("eval_") else f"eval_{k}": v for k, v in metrics.items()}
+
+    def write_untrained_eval(self) -> None:
+        metrics = self.validate()
+        if self.accelerator.is_main_process:
+            atomic_write_json(self.output_dir / "eval_untrained.json", metrics)
+
+    def finish(self) -> Path:
+        """Save the final head, the debug report if asked for, and shut the process group down cleanly."""
+        acc = self.accelerator
         final = self.output_dir / "final"
         save_head_folder(acc, self.head, final)
-        self._write_rank_report(seen)
+        if self.debug is not None:
+            self.debug.write()
         acc.print(f"[train] done: {final}")
         acc.wait_for_everyone()  # no rank tears the process group down while another still uses it
         acc.end_training()
         return final
 
+
+class DebugReport:
+    """train.debug_report: ranks/rank-<r>.json with the engine, world size, the sequences this rank trained on,
+    and full parameter sums before and after training (gathered under ZeRO-3: collective)."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.seen: list[list[int]] = []
+        self.initial_param_sums = self.param_sums()
+
     def param_sums(self) -> dict[str, float]:
         """Sum of every trainable head tensor (full, gathered under ZeRO-3). Collective."""
-        with gathered_params(self.head):
-            return {n: float(p.detach().double().sum()) for n, p in self.head.named_parameters() if p.requires_grad}
+        head = self.trainer.head
+        with gathered_params(head):
+            return {n: float(p.detach().double().sum()) for n, p in head.named_parameters() if p.requires_grad}
 
-    def _write_rank_report(self, seen: list[list[int]]) -> None:
-        """ranks/rank-<r>.json: engine, world size, the sequences this rank trained on, parameter checksums."""
-        acc = self.accelerator
-        report = {"rank": acc.process_index, "world_size": acc.num_processes, "engine": self.engine,
-                  "mixed_precision": acc.mixed_precision, "seen": seen, "param_sums": self.param_sums(),
+    def write(self) -> None:
+        t, acc = self.trainer, self.trainer.accelerator
+        report = {"rank": acc.process_index, "world_size": acc.num_processes, "engine": t.engine,
+                  "mixed_precision": acc.mixed_precision, "seen": self.seen, "param_sums": self.param_sums(),
                   "initial_param_sums": self.initial_param_sums, "peak_rss_mb": _peak_rss_mb(),
-                  "config": asdict(self.config)}
-        path = self.output_dir / "ranks" / f"rank-{acc.process_index}.json"
+                  "config": asdict(t.config)}
+        path = t.output_dir / "ranks" / f"rank-{acc.process_index}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report) + "\n")
 
@@ -396,6 +391,6 @@ class Logger:
             self.tb.close()
 
 
-def train(recipe: dict) -> Path:
+def train(recipe: Recipe | dict) -> Path:
     """Train a head as the recipe says; returns output_dir/final."""
     return Trainer(recipe).run()
