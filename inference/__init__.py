@@ -3,7 +3,7 @@ tree (TreeDrafter), PromptLookupDrafter, DraftModelDrafter, HybridDrafter (head 
 
 from .draft_model import DraftModelDrafter, TokenizerMismatchError
 from .drafter import Drafter, PlainDrafter
-from .generator import GenerationOutput, GenerationStats, SpeculativeGenerator
+from .engine import GenerationOutput, GenerationStats, SpeculativeGenerator
 from .hybrid import HybridDrafter
 from .prompt_lookup import PromptLookupDrafter
 from .sampling import SamplingParams

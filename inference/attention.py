@@ -76,7 +76,7 @@ def prefers_matmul_attention(device: torch.device, dtype: torch.dtype) -> bool:
 @contextlib.contextmanager
 def attention_implementation(model: nn.Module, name: str | None):
     """Run the block with `model` dispatching attention to `name` (None: leave it), then restore the previous one."""
-    previous = model.config._attn_implementation
+    previous = model.config._attn_implementation  # transformers has a public setter for it, no public getter
     if name is None or name == previous:
         yield
         return

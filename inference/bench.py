@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .generator import SpeculativeGenerator, accept_histogram
+from .engine import SpeculativeGenerator, accept_histogram
 from .budget import auto_tree
 from .draft_model import DraftModelDrafter, check_same_tokenizer
 from .prompt_lookup import PromptLookupDrafter
@@ -393,7 +393,8 @@ def assemble(args, device, dtype, inputs, methods: list[Method], mismatches: lis
         return summaries[a]["tokens_per_s"] / summaries[b]["tokens_per_s"] if a in summaries and b in summaries \
             else None
 
-    greedy_rows = [r for m in methods[1:] if m.name.startswith("speculative") for r in m.rows if "greedy_match" in r]
+    drafting = [m for m in methods if m.generator is not None and not m.generator.plain]  # every drafter's rows
+    greedy_rows = [r for m in drafting for r in m.rows if "greedy_match" in r]
     near_ties = [x for x in mismatches if x["is_near_tie"]]
     replayed = [x for x in mismatches if x.get("float32_replay_match")]
     singles = [n for n in (f"speculative_{args.tree}", "engine_prompt_lookup") if n in summaries]
@@ -466,7 +467,7 @@ def plot(result: dict, path: Path) -> None:
     ax1.axhline(1.0, color="grey", lw=0.8)
     ax1.set_ylabel("speedup vs plain generate")
     ax1.set_title(f"{result['prompts']} prompts, {result['dtype']}, T={result['temperature']}")
-    ax1.tick_params(axis="x", labelrotation=20)
+    plt.setp(ax1.get_xticklabels(), rotation=30, ha="right")
     for name in names:
         hist = methods[name].get("accept_histogram")
         if hist:

@@ -22,7 +22,7 @@ import torch.nn as nn
 from drafthead import DraftHead
 from drafthead.masks import causal_allowed
 
-from .generator import SpeculativeGenerator
+from .engine import SpeculativeGenerator
 from .head_runner import head_runner_for
 from .runner import make_runner
 from .tree import TREE_PRESETS, DraftTree, TreeDrafter, TreeOptions

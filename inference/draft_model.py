@@ -98,13 +98,13 @@ class DraftModelDrafter:
             self.runner.prefill(input_ids)
         self.pending = input_ids[:, :0]
 
-    def _step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Append tokens (1, m) to the draft cache; the logits after the last one (1, V)."""
+    def _step(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append tokens (1, m) to the draft cache; the logits after the last one (1, V) and their argmax (1,)."""
         m = tokens.shape[1]
-        logits, _, _ = self.runner.verify(tokens, torch.arange(m, device=self.device),
-                                          causal_allowed(m, 0, self.device))
+        logits, _, greedy = self.runner.verify(tokens, torch.arange(m, device=self.device),
+                                               causal_allowed(m, 0, self.device))
         self.runner.commit(torch.arange(m, device=self.device), m)
-        return logits[:, -1]
+        return logits[:, -1], greedy[:, -1]
 
     @torch.inference_mode()
     def propose(self, root: torch.Tensor, params: SamplingParams,
@@ -113,13 +113,15 @@ class DraftModelDrafter:
         tokens = torch.cat([self.pending, root.view(1, 1)], dim=1)
         with self.runner.session():
             for i in range(self.gamma):
-                logits = self._step(tokens)
+                logits, greedy = self._step(tokens)
                 if i == 0:
                     self.after_root = self.runner.length
                 if params.do_sample:
                     q = match_vocab(target_probs(logits, params), self.vocab)  # (1, V)
                     token = torch.multinomial(q, 1, generator=generator).view(1)
                     qs.append(q)
+                elif logits.shape[-1] <= self.vocab:
+                    token = greedy  # the runner's argmax (fused into the compiled step)
                 else:
                     token = logits[:, : self.vocab].argmax(dim=-1)
                 drafted.append(token)

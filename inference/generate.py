@@ -1,4 +1,5 @@
-"""Command line: stream a speculative generation to the terminal, then print tau and tokens/s.
+"""Command line (the library is inference/engine.py): stream a speculative generation to the terminal, then print
+tau and tokens/s.
 
     python -m inference.generate --target PATH --draft PATH --prompt "Tell me a story" --chat \
         [--temperature 0.7 --top-p 0.9] [--max-new-tokens 128] [--device cpu] [--dtype bfloat16] [--tree cpu]
@@ -11,7 +12,7 @@ import sys
 
 import torch
 
-from .generator import SpeculativeGenerator
+from .engine import SpeculativeGenerator
 from .tree import TREE_PRESETS
 
 

@@ -82,14 +82,11 @@ class TargetRunner:
         return logits[:, -1], features
 
     @torch.inference_mode()
-    def verify(
-        self,
-        tokens: torch.Tensor,  # (1, n) tree tokens, root first, parents before children
-        depths: torch.Tensor,  # (n,) depth of each node (root 0)
-        ancestors: torch.Tensor,  # (n, n) bool: node i attends node j (ancestors and itself)
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One forward over the tree after the cached prefix. Returns (logits (1, n, V), features (1, n, F),
-        argmax of the logits (1, n))."""
+    def verify(self, tokens: torch.Tensor, depths: torch.Tensor,
+               ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One forward over the tree after the cached prefix: tokens (1, n) root first, parents before children;
+        depths (n,) with the root at 0; ancestors (n, n) bool, node i attends node j. Returns (logits (1, n, V),
+        features (1, n, F), argmax of the logits (1, n))."""
         past = self.length
         n = tokens.shape[1]
         if self.window is not None and past + n > self.window:

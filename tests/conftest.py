@@ -15,11 +15,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tiny import ARCHS, tiny_model, tiny_tokenizer  # noqa: E402
 
+from drafthead.paths import cache_dir  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("DRAFTHEAD_CACHE", Path.home() / ".cache" / "drafthead")).expanduser()
 
 
 RUNNERS = ("static", "eager")  # every losslessness test runs against both target runners
@@ -46,28 +46,27 @@ def tokenizer():
     return tiny_tokenizer()
 
 
-@pytest.fixture(scope="session")
-def smollm2_path() -> Path:
-    path = cache_dir() / "models" / "SmolLM2-135M-Instruct"
-    if not (path / "config.json").exists():
+def asset(relative: str, marker: str = "") -> Path:
+    """A fetched asset in the cache (`marker`: a file inside it that proves it complete); fails the test if absent."""
+    path = cache_dir() / relative
+    if not (path / marker if marker else path).exists():
         pytest.fail(f"{path} missing: run `python scripts/fetch_assets.py` (make test does it)")
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return asset("models/SmolLM2-135M-Instruct", "config.json")
 
 
 @pytest.fixture(scope="session")
 def mt_bench_path() -> Path:
-    path = cache_dir() / "data" / "mt_bench.jsonl"
-    if not path.exists():
-        pytest.fail(f"{path} missing: run `python scripts/fetch_assets.py` (make test does it)")
-    return path
+    return asset("data/mt_bench.jsonl")
 
 
 @pytest.fixture(scope="session")
 def sharegpt_path() -> Path:
-    path = cache_dir() / "data" / "sharegpt.jsonl"
-    if not path.exists():
-        pytest.fail(f"{path} missing: run `python scripts/fetch_assets.py` (make test does it)")
-    return path
+    return asset("data/sharegpt.jsonl")
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 from test_inference_greedy import near_bigram_target, oracle_head, prompts, random_head
-from test_inference_sampling import chi_square_p
+from test_inference_sampling import chi_square_p, first_two_law, sample_first_two
 from tiny import tiny_model, tiny_tokenizer
 
 import inference.verify
@@ -221,20 +221,7 @@ def test_draft_model_generate_samples_exactly(runner):
     draft = tiny_model("llama", seed=4, vocab_size=16, num_layers=2)  # q unlike p
     gen = SpeculativeGenerator(target, DraftModelDrafter(draft, 16, gamma=2, runner=runner), runner=runner)
     prompt = torch.tensor([[5, 9, 4]])
-    with torch.inference_mode():
-        p1 = target_probs(target(prompt).logits[0, -1], params)
-        nxt = torch.cat([prompt.expand(16, -1), torch.arange(16).view(16, 1)], dim=1)
-        p2 = target_probs(target(nxt).logits[:, -1], params)
-    expected = {(a, b): float(p1[a] * p2[a, b]) for a in range(16) for b in range(16)}
     draws = 2000
-    g = torch.Generator().manual_seed(3)
-    counts: dict = {}
-    accepted = 0
-    for _ in range(draws):
-        out = gen.generate(prompt, max_new_tokens=2, temperature=params.temperature, top_k=0, eos_token_id=[],
-                           generator=g)
-        key = tuple(out.sequences[0, 3:].tolist())
-        counts[key] = counts.get(key, 0) + 1
-        accepted += out.stats.accept_lengths[0] > 1
+    counts, accepted = sample_first_two(gen, prompt, params, draws, seed=3)
     assert 0 < accepted < draws  # drafts accepted and rejected
-    assert chi_square_p(counts, expected, draws) > 1e-3
+    assert chi_square_p(counts, first_two_law(target, prompt, params), draws) > 1e-3

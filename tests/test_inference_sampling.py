@@ -110,6 +110,30 @@ def test_verifier_is_exact(params):
     assert longest >= 3
 
 
+def first_two_law(target, prompt: torch.Tensor, params: SamplingParams) -> dict:
+    """The target's exact joint law of its first two sampled tokens after `prompt` (a 16-token vocabulary)."""
+    with torch.inference_mode():
+        p1 = target_probs(target(prompt).logits[0, -1], params)
+        nxt = torch.cat([prompt.expand(16, -1), torch.arange(16).view(16, 1)], dim=1)
+        p2 = target_probs(target(nxt).logits[:, -1], params)  # (16, V): law of t2 given t1
+    return {(a, b): float(p1[a] * p2[a, b]) for a in range(16) for b in range(16)}
+
+
+def sample_first_two(gen: SpeculativeGenerator, prompt: torch.Tensor, params: SamplingParams, draws: int,
+                     seed: int) -> tuple[dict, int]:
+    """Counts of the first two tokens over `draws` generations, and how many first steps accepted a draft."""
+    g = torch.Generator().manual_seed(seed)
+    counts: dict = {}
+    accepted = 0
+    for _ in range(draws):
+        out = gen.generate(prompt, max_new_tokens=2, temperature=params.temperature, top_p=params.top_p,
+                           top_k=params.top_k, eos_token_id=[], generator=g)
+        key = tuple(out.sequences[0, prompt.shape[1]:].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        accepted += out.stats.accept_lengths[0] > 1
+    return counts, accepted
+
+
 @pytest.mark.parametrize("params", SETTINGS[1:], ids=["t0.7-p0.9"])
 def test_generate_samples_exactly(params, runner):
     """End to end through SpeculativeGenerator: joint law of the first two new tokens vs the target's own."""
@@ -117,23 +141,10 @@ def test_generate_samples_exactly(params, runner):
     gen = SpeculativeGenerator(target, oracle_head(target).attach_target(target), tree=TreeOptions(3, 3, 6),
                                runner=runner)
     prompt = torch.tensor([[5, 9, 4]])
-    with torch.inference_mode():
-        p1 = target_probs(target(prompt).logits[0, -1], params)
-        nxt = torch.cat([prompt.expand(16, -1), torch.arange(16).view(16, 1)], dim=1)
-        p2 = target_probs(target(nxt).logits[:, -1], params)  # (16, V): law of t2 given t1
-    expected = {(a, b): float(p1[a] * p2[a, b]) for a in range(16) for b in range(16)}
     draws = 1500
-    g = torch.Generator().manual_seed(2)
-    counts: dict = {}
-    accepted = 0
-    for _ in range(draws):
-        out = gen.generate(prompt, max_new_tokens=2, temperature=params.temperature, top_p=params.top_p, top_k=0,
-                           eos_token_id=[], generator=g)
-        key = tuple(out.sequences[0, 3:].tolist())
-        counts[key] = counts.get(key, 0) + 1
-        accepted += out.stats.accept_lengths[0] > 1
+    counts, accepted = sample_first_two(gen, prompt, params, draws, seed=2)
     assert accepted > draws // 4  # the drafted token was accepted often
-    assert chi_square_p(counts, expected, draws) > 1e-3
+    assert chi_square_p(counts, first_two_law(target, prompt, params), draws) > 1e-3
 
 
 def test_seed_reproducible(runner):

@@ -1,4 +1,5 @@
-"""SpeculativeGenerator: a drafter proposes a tree, the target verifies it in one forward, repeat.
+"""The decoding engine (library): SpeculativeGenerator — a drafter proposes a tree, the target verifies it in one
+forward, repeat. The command line around it is inference/generate.py.
 
     gen = SpeculativeGenerator.from_pretrained(target_path, head_path, device="cpu", dtype="bfloat16")
     out = gen.generate(input_ids, max_new_tokens=128, temperature=0.0)
