@@ -103,7 +103,7 @@ class HeadConfig:
             target_hidden_size=cfg.hidden_size,
             target_num_layers=num_layers,
             target_model_type=cfg.model_type,
-            target_name=target_name or getattr(target_config, "_name_or_path", "") or "",
+            target_name=target_name or getattr(target_config, "name_or_path", "") or "",
             aux_layer_ids=list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(num_layers),
         )
         values.update(overrides)
