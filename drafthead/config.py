@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .format import (
-    ARCHITECTURES, FOREIGN_EAGLE1_ARCHITECTURE, NATIVE_KEY, aux_ids_from_vllm, rope_of, rope_parameters, text_config,
+    ARCHITECTURES, NATIVE_KEY, aux_ids_from_vllm, is_head_config, rope_of, rope_parameters, text_config,
 )
 
 HEAD_KINDS = ("eagle3", "eagle1")
@@ -156,7 +156,7 @@ class HeadConfig:
         if NATIVE_KEY in values:
             return cls.from_dict(values[NATIVE_KEY])
         arch = (values.get("architectures") or [""])[0]
-        if arch not in ARCHITECTURES.values() and arch != FOREIGN_EAGLE1_ARCHITECTURE:
+        if not is_head_config(values):
             raise ValueError(
                 f"config.json is neither a native head nor an EAGLE serving folder (architectures={arch!r})"
             )

@@ -25,6 +25,12 @@ NATIVE_LAYER, SERVING_LAYER = "midlayer.", "layers.0."
 FROZEN_PREFIXES = ("embed_tokens.", "target_norm.", "target_lm_head.")
 
 
+def is_head_config(values: dict[str, Any]) -> bool:
+    """Whether a config.json (as a dict) describes a draft head: our native key, or an EAGLE serving architecture."""
+    arch = (values.get("architectures") or [""])[0]
+    return NATIVE_KEY in values or arch in ARCHITECTURES.values() or arch == FOREIGN_EAGLE1_ARCHITECTURE
+
+
 def serving_tensor_names(state: dict[str, Any], fmt: str) -> dict[str, Any]:
     """Native names -> serving names (EAGLE-1 renames midlayer.* to layers.0.*; EAGLE-3 keeps them)."""
     if fmt == "eagle3":

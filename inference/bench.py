@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import os
 import platform
 import statistics
@@ -27,15 +26,17 @@ from typing import Any
 
 import torch
 
-from .engine import SpeculativeGenerator, accept_histogram
-from .budget import auto_tree
-from .draft_model import DraftModelDrafter, check_same_tokenizer
-from .prompt_lookup import PromptLookupDrafter
-from .runner import make_runner
-from .jsonl import iter_jsonl
 from drafthead.hardware import resolve_dtype
 from drafthead.paths import cache_dir
 from drafthead.utils import atomic_write_json
+
+from .budget import auto_tree
+from .draft_model import DraftModelDrafter, load_draft_model
+from .engine import SpeculativeGenerator, accept_histogram
+from .jsonl import iter_jsonl
+from .prompt_lookup import PromptLookupDrafter
+from .runner import make_runner
+from .static_runner import compile_setting
 from .ties import explain_divergence
 from .tree import TreeOptions, tree_options
 
@@ -273,11 +274,7 @@ def load_drafts(args, model, tokenizer) -> tuple[Any, Any, Any]:
     if "draft_model" in wanted:
         if args.draft_model is None:
             raise SystemExit("--methods draft_model needs --draft-model MODEL_FOLDER")
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        ref = next(model.parameters())
-        draft_model = AutoModelForCausalLM.from_pretrained(args.draft_model, dtype=ref.dtype).to(ref.device).eval()
-        check_same_tokenizer(draft_model, model, AutoTokenizer.from_pretrained(args.draft_model), tokenizer)
+        draft_model = load_draft_model(args.draft_model, model, tokenizer)
     return head, full_head, draft_model
 
 
@@ -318,7 +315,7 @@ def prepare_methods(args, model, tokenizer, inputs: list[torch.Tensor]) -> tuple
     """Drafts, the shared runner, the tree (tuned when auto), the methods, and their warm-up (compiles). Returns
     (methods, the setup part of the JSON, the head or None)."""
     device = next(model.parameters()).device
-    args.compile = {"on": True, "off": False, "auto": device.type == "cuda"}.get(args.compile, args.compile)
+    args.compile = compile_setting({"on": True, "off": False}.get(args.compile, args.compile), device)
     head, full_head, draft_model = load_drafts(args, model, tokenizer)
     runner = make_runner(model, head.config.aux_layer_ids if head is not None else [], args.runner, args.compile)
     runner.reserve(max(ids.shape[1] for ids in inputs) + args.max_new_tokens)

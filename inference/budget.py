@@ -46,35 +46,21 @@ class NodeRecord:
     accepted: bool
 
 
-class RecordingDrafter:
+class RecordingDrafter(TreeDrafter):
     """A TreeDrafter that also records every verified tree and its accepted path (NodeRecords per step)."""
 
-    def __init__(self, drafter: TreeDrafter):
-        self.drafter = drafter
+    def __init__(self, head: DraftHead, options: TreeOptions):
+        super().__init__(head, options, head_runner_for(head))
         self.records: list[list[NodeRecord]] = []
         self.tree: DraftTree | None = None
-        self.name, self.origin_names = drafter.name, drafter.origin_names
 
-    @property
-    def feature_layers(self) -> list[int]:
-        return self.drafter.feature_layers
-
-    def tree_sizes(self) -> list[int]:
-        return self.drafter.tree_sizes()
-
-    def warmup(self, max_length: int) -> None:
-        self.drafter.warmup(max_length)
-
-    def begin(self, input_ids, features, max_length) -> None:
-        self.drafter.begin(input_ids, features, max_length)
-
-    def propose(self, root, params, generator=None) -> DraftTree:
-        self.tree = self.drafter.propose(root, params, generator)
+    def propose(self, root, params=None, generator=None) -> DraftTree:
+        self.tree = super().propose(root, params, generator)
         return self.tree
 
     def accept(self, path, new_tokens, features) -> None:
         self.records.append(record_tree(len(self.records), self.tree, path))
-        self.drafter.accept(path, new_tokens, features)
+        super().accept(path, new_tokens, features)
 
 
 def _median_ms(fn, reps: int, device: torch.device) -> float:
@@ -217,7 +203,7 @@ def auto_tree(
     if runner is None:
         runner = make_runner(model, head.config.aux_layer_ids)
     # acceptance does not depend on the runner: record it on the eager one, which takes trees of any size
-    recorder = RecordingDrafter(TreeDrafter(head, CALIBRATION_TREE, head_runner_for(head)))
+    recorder = RecordingDrafter(head, CALIBRATION_TREE)
     gen = SpeculativeGenerator(model, recorder, tree=CALIBRATION_TREE, runner="eager")
     records = recorder.records
     overhead_ms = []

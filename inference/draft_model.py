@@ -11,6 +11,7 @@ accepted tokens it has not seen yet (the last draft, and always the bonus) are f
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ import torch.nn as nn
 from drafthead.masks import causal_allowed
 
 from .drafter import chain_tree
+from .loading import load_causal_lm
 from .runner import make_runner
 from .sampling import SamplingParams, target_probs
 from .tree import DraftTree
@@ -46,6 +48,16 @@ def check_same_tokenizer(draft: nn.Module, target: nn.Module, draft_tokenizer: A
     if dv != tv:
         raise TokenizerMismatchError(f"vocab size: draft model {dv}, target {tv}; a draft model must share the "
                                      "target's tokenizer (pass both tokenizers to compare the vocabularies)")
+
+
+def load_draft_model(source: str | Path | nn.Module, target: nn.Module, target_tokenizer: Any = None) -> nn.Module:
+    """A smaller causal LM (folder or loaded model) on the target's device and dtype, in eval mode; refused with
+    TokenizerMismatchError when its tokenizer differs from the target's."""
+    ref = next(target.parameters())
+    model, tokenizer = load_causal_lm(source, ref.dtype)
+    model = model.to(device=ref.device, dtype=ref.dtype).eval()
+    check_same_tokenizer(model, target, tokenizer, target_tokenizer)
+    return model
 
 
 def match_vocab(probs: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -92,10 +104,13 @@ class DraftModelDrafter:
             for m in (1, 2):
                 self._step(ids[:, :m])
 
+    def session(self):
+        """The draft runner's session (its attention kernel), entered once per generation by the engine."""
+        return self.runner.session()
+
     def begin(self, input_ids: torch.Tensor, features, max_length: int) -> None:
         self.runner.reset(max_length + self.gamma + 2)
-        with self.runner.session():
-            self.runner.prefill(input_ids)
+        self.runner.prefill(input_ids)
         self.pending = input_ids[:, :0]
 
     def _step(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,22 +126,21 @@ class DraftModelDrafter:
                 generator: torch.Generator | None = None) -> DraftTree:
         drafted, qs = [], []
         tokens = torch.cat([self.pending, root.view(1, 1)], dim=1)
-        with self.runner.session():
-            for i in range(self.gamma):
-                logits, greedy = self._step(tokens)
-                if i == 0:
-                    self.after_root = self.runner.length
-                if params.do_sample:
-                    q = match_vocab(target_probs(logits, params), self.vocab)  # (1, V)
-                    token = torch.multinomial(q, 1, generator=generator).view(1)
-                    qs.append(q)
-                elif logits.shape[-1] <= self.vocab:
-                    token = greedy  # the runner's argmax (fused into the compiled step)
-                else:
-                    token = logits[:, : self.vocab].argmax(dim=-1)
-                drafted.append(token)
-                tokens = token.view(1, 1)
-            # the last draft is never fed: if it is accepted it goes with the bonus into the next proposal
+        for i in range(self.gamma):
+            logits, greedy = self._step(tokens)
+            if i == 0:
+                self.after_root = self.runner.length
+            if params.do_sample:
+                q = match_vocab(target_probs(logits, params), self.vocab)  # (1, V)
+                token = torch.multinomial(q, 1, generator=generator).view(1)
+                qs.append(q)
+            elif logits.shape[-1] <= self.vocab:
+                token = greedy  # the runner's argmax (fused into the compiled step)
+            else:
+                token = logits[:, : self.vocab].argmax(dim=-1)
+            drafted.append(token)
+            tokens = token.view(1, 1)
+        # the last draft is never fed: if it is accepted it goes with the bonus into the next proposal
         return chain_tree(root, torch.cat(drafted), torch.cat(qs) if qs else None, origin=1)
 
     def accept(self, path: torch.Tensor, new_tokens: torch.Tensor, features) -> None:

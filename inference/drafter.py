@@ -22,6 +22,7 @@ HybridDrafter (hybrid.py: the head's tree plus the prompt-lookup branch).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -50,6 +51,10 @@ class Drafter(Protocol):
         """Size buffers for sequences of `max_length` tokens and compile the drafter's own steps, if any."""
         ...
 
+    def session(self) -> contextlib.AbstractContextManager:
+        """Context around one generation (a draft model's attention kernel, as the target runner's session)."""
+        ...
+
     def begin(self, input_ids: torch.Tensor, features: torch.Tensor | None, max_length: int) -> None: ...
 
     def propose(self, root: torch.Tensor, params: SamplingParams,
@@ -71,6 +76,9 @@ class PlainDrafter:
 
     def warmup(self, max_length: int) -> None:
         pass
+
+    def session(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def begin(self, input_ids, features, max_length) -> None:
         pass

@@ -25,18 +25,19 @@ import torch
 import torch.nn as nn
 
 from drafthead import DraftHead, check_compatible, load_head
-from drafthead.format import ARCHITECTURES, CONFIG_NAME, FOREIGN_EAGLE1_ARCHITECTURE, NATIVE_KEY
+from drafthead.format import CONFIG_NAME, is_head_config
 from drafthead.utils import parse_dtype
 from drafthead.masks import causal_allowed
 
-from .draft_model import DraftModelDrafter, check_same_tokenizer
+from .draft_model import DraftModelDrafter, load_draft_model
 from .drafter import Drafter, PlainDrafter
 from .head_runner import head_runner_for
 from .hybrid import HybridDrafter
+from .loading import load_causal_lm
 from .prompt_lookup import PromptLookupDrafter
 from .runner import make_runner
 from .sampling import SamplingParams, target_probs
-from .static_runner import bucket_for
+from .static_runner import bucket_for, compile_setting
 from .tree import DraftTree, TreeDrafter, TreeOptions, tree_options
 from .verify import verify_greedy, verify_sampling
 
@@ -66,10 +67,11 @@ class GenerationStats:
         self.accept_lengths.append(path.shape[0])
         if tree.origin is None:
             return
-        drafted, accepted = tree.origin[1:], tree.origin[path[1:]]
+        origin = tree.origin.tolist()  # a few dozen ints: count on the host, two transfers per step
+        accepted = [origin[i] for i in path[1:].tolist()]
         for bit, name in enumerate(origin_names):
-            self.drafted_by[name] = self.drafted_by.get(name, 0) + int(((drafted >> bit) & 1).sum())
-            self.accepted_by[name] = self.accepted_by.get(name, 0) + int(((accepted >> bit) & 1).sum())
+            self.drafted_by[name] = self.drafted_by.get(name, 0) + sum(o >> bit & 1 for o in origin[1:])
+            self.accepted_by[name] = self.accepted_by.get(name, 0) + sum(o >> bit & 1 for o in accepted)
 
     @property
     def mean_accepted(self) -> float:
@@ -159,11 +161,7 @@ class SpeculativeGenerator:
         self.device = next(target.parameters()).device
         if isinstance(runner, str) and runner not in ("auto", "static", "eager"):
             raise ValueError(f"runner must be 'auto', 'static', 'eager' or a runner object, got {runner!r}")
-        if compile == "auto":
-            compile = self.device.type == "cuda"
-        if compile not in (True, False):
-            raise ValueError(f"compile must be 'auto', True or False, got {compile!r}")
-        self.runner_kind, self.compile = runner, bool(compile)
+        self.runner_kind, self.compile = runner, compile_setting(compile, self.device)
         self._runner = None if isinstance(runner, str) else runner  # a runner object is shared, e.g. by the bench
         self.head: DraftHead | None = None
         self.options: TreeOptions | None = None
@@ -242,21 +240,18 @@ class SpeculativeGenerator:
         drafthead.HeadMismatchError when a head was made for another target, TokenizerMismatchError when a draft
         model uses another tokenizer."""
         dtype = parse_dtype(dtype)
-        model, tokenizer = _load_causal_lm(target, dtype, tokenizer)
+        model, tokenizer = load_causal_lm(target, dtype, tokenizer)
         model = model.to(device=device, dtype=dtype).eval()
         ref = next(model.parameters())
-        compiled = compile if compile != "auto" else ref.device.type == "cuda"
         if isinstance(draft, str) and draft == "prompt-lookup":
             draft = PromptLookupDrafter(lookup_tokens)
         elif isinstance(draft, DraftHead):
             check_compatible(draft.config, model.config)
             draft = draft.to(device=ref.device, dtype=ref.dtype).attach_target(model)
         elif isinstance(draft, nn.Module) or (isinstance(draft, (str, Path)) and not is_head_folder(draft)):
-            small, small_tokenizer = _load_causal_lm(draft, dtype, None)
-            small = small.to(device=ref.device, dtype=ref.dtype)
-            check_same_tokenizer(small, model, small_tokenizer, tokenizer)
             vocab = model.config.get_text_config(decoder=True).vocab_size
-            draft = DraftModelDrafter(small, vocab, gamma=gamma, runner=runner, compile=compiled)
+            draft = DraftModelDrafter(load_draft_model(draft, model, tokenizer), vocab, gamma=gamma, runner=runner,
+                                      compile=compile_setting(compile, ref.device))
         elif isinstance(draft, (str, Path)):
             draft = load_head(draft, target=model, device=ref.device, dtype=ref.dtype)
         return cls(model, draft, tokenizer, tree, runner=runner, compile=compile, hybrid=hybrid,
@@ -296,7 +291,7 @@ class SpeculativeGenerator:
         input_ids = input_ids.view(1, -1).to(self.device)
         runner = self.runner
         runner.reset(input_ids.shape[1] + max_new_tokens)
-        with runner.session():
+        with runner.session(), self.drafter.session():
             new, stats = self._decode(runner, input_ids, params, stopper, generator, streamer)
         stats.new_tokens = len(new)
         stats.total_time_s = time.perf_counter() - t_start
@@ -334,7 +329,7 @@ class SpeculativeGenerator:
         sync()
         stats.verify_time_s += time.perf_counter() - t0
         new: list[int] = []
-        batch = first.tolist()
+        batch, root = first.tolist(), first.view(1)  # root: the last emitted token, on the device
         while True:
             keep = stopper.cut(new, batch)
             emitted = batch if keep is None else batch[:keep]
@@ -344,7 +339,7 @@ class SpeculativeGenerator:
             if keep is not None:
                 break
             t0 = time.perf_counter()
-            tree = drafter.propose(torch.tensor(batch[-1:], device=self.device), params, generator)
+            tree = drafter.propose(root, params, generator)
             sync()
             t1 = time.perf_counter()
             logits, features, greedy = runner.verify(tree.tokens, tree.depths, tree.ancestors)
@@ -354,7 +349,7 @@ class SpeculativeGenerator:
                 path, new_tokens = verify_greedy(None, tree, greedy[0])
             runner.commit(path, tree.size)
             drafter.accept(path, new_tokens, features)
-            batch = new_tokens.tolist()
+            batch, root = new_tokens.tolist(), new_tokens[-1:]
             stats.count(tree, path, drafter.origin_names)
             stats.draft_time_s += t1 - t0
             stats.verify_time_s += time.perf_counter() - t1
@@ -370,30 +365,12 @@ class SpeculativeGenerator:
         return torch.multinomial(target_probs(logits, params), 1, generator=generator)[0]
 
 
-def _load_causal_lm(source: str | Path | nn.Module, dtype: torch.dtype | None, tokenizer: Any) -> tuple[nn.Module, Any]:
-    """A causal LM (folder or name, or an already loaded model) and its tokenizer (the given one, else the folder's
-    if it has one)."""
-    if not isinstance(source, (str, Path)):
-        return source, tokenizer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype if dtype is not None else "auto")
-    if tokenizer is None:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source)
-        except (OSError, ValueError):
-            tokenizer = None
-    return model, tokenizer
-
-
 def is_head_folder(path: str | Path) -> bool:
     """True for a draft-head folder (native or EAGLE serving format), False for a plain causal LM's folder."""
     config = Path(path) / CONFIG_NAME
     if not config.exists():
         return False
-    values = json.loads(config.read_text())
-    arch = (values.get("architectures") or [""])[0]
-    return NATIVE_KEY in values or arch in ARCHITECTURES.values() or arch == FOREIGN_EAGLE1_ARCHITECTURE
+    return is_head_config(json.loads(config.read_text()))
 
 
 def _synchronizer(device: torch.device) -> Callable[[], None]:

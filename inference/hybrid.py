@@ -9,6 +9,8 @@ the head's tree plus `num_tokens` lookup nodes, and only what the lookup adds be
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .prompt_lookup import PromptLookupDrafter
@@ -66,6 +68,9 @@ class HybridDrafter:
 
     def warmup(self, max_length: int) -> None:
         self.head.warmup(max_length)
+
+    def session(self) -> contextlib.AbstractContextManager:
+        return self.head.session()
 
     def begin(self, input_ids: torch.Tensor, features: torch.Tensor, max_length: int) -> None:
         self.head.begin(input_ids, features, max_length)

@@ -8,6 +8,8 @@ this engine's runner; it pays on outputs that repeat their input (editing, extra
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .drafter import chain_tree
@@ -47,6 +49,9 @@ class PromptLookupDrafter:
 
     def warmup(self, max_length: int) -> None:
         pass
+
+    def session(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def begin(self, input_ids: torch.Tensor, features, max_length: int) -> None:
         self.context = input_ids[0].tolist()

@@ -13,6 +13,7 @@ overwritten later, so "cropping" is only moving the stable length.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -132,6 +133,9 @@ class TreeDrafter:
 
     def warmup(self, max_length: int) -> None:
         self.reset(max_length)
+
+    def session(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # the head runs its own forward, not the model's attention dispatch
 
     def begin(self, input_ids: torch.Tensor, features: torch.Tensor, max_length: int) -> None:
         """The prompt's pairs (feature at t, token t+1) wait for the first root, the token after the prompt."""

@@ -4,6 +4,7 @@ lossless (greedy token for token; sampling by chi-square), and each does what it
 from __future__ import annotations
 
 import copy
+import statistics
 
 import pytest
 import torch
@@ -101,12 +102,8 @@ def test_hybrid_oracle_head_accepts_long_paths(runner):
     gen = SpeculativeGenerator(target, oracle_head(target).attach_target(target), tree="chain", runner=runner,
                                hybrid=True, lookup_tokens=6)
     stats = assert_greedy_lossless(target, gen, n_prompts=4, max_new=40)
-    assert statistics_mean([s.mean_accepted for s in stats]) > 2.5
+    assert statistics.fmean(s.mean_accepted for s in stats) > 2.5
     assert all(set(s.drafted_by) == {"head", "prompt_lookup"} for s in stats)
-
-
-def statistics_mean(values: list[float]) -> float:
-    return sum(values) / len(values)
 
 
 # -------------------------------------------------------------------------------------------------- draft model
