@@ -17,6 +17,7 @@ import torch.nn as nn
 from transformers import AttentionInterface
 
 NAME = "drafthead_matmul"
+PREFILL_NAME = "drafthead_sdpa_prefix"
 
 
 @torch.library.custom_op("drafthead::prefix_attention", mutates_args=())
@@ -66,6 +67,23 @@ def matmul_attention(
 
 
 AttentionInterface.register(NAME, matmul_attention)
+
+
+def prefix_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
+                          drafthead_kv_length: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """PyTorch SDPA over the used prefix of a preallocated buffer only: for long query blocks (a prompt's chunks),
+    where SDPA's fused kernel wins and attending the whole buffer would multiply the work (measured on a 2-core
+    EPYC, bf16, 512 queries over 1k used slots of an 8k buffer: 23 ms trimmed, 170 ms untrimmed per layer)."""
+    used = int(drafthead_kv_length) if drafthead_kv_length is not None else key.shape[2]
+    key, value = key[:, :, :used], value[:, :, :used]
+    mask = attention_mask[..., :used] if attention_mask is not None else None
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                                           enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(PREFILL_NAME, prefix_sdpa_attention)
 
 
 def prefers_matmul_attention(device: torch.device, dtype: torch.dtype) -> bool:

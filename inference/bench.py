@@ -30,6 +30,7 @@ from drafthead.hardware import resolve_dtype
 from drafthead.paths import cache_dir
 from drafthead.utils import atomic_write_json
 
+from . import batch_bench
 from .budget import auto_tree
 from .draft_model import DraftModelDrafter, load_draft_model
 from .engine import SpeculativeGenerator, accept_histogram
@@ -488,7 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "tokenizer, for --methods draft_model")
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help="comma list of: " + "; ".join(f"{k}: {v}" for k, v in METHODS.items()))
-    p.add_argument("--gamma", type=int, default=4, help="draft-model chain length")
+    p.add_argument("--gamma", type=int, default=4, help="draft-model chain length (self-speculation's too)")
     p.add_argument("--hybrid-tokens", type=int, default=6, help="prompt-lookup tokens in the hybrid tree")
     p.add_argument("--prompts", default="mt_bench", help="mt_bench or a JSONL file")
     p.add_argument("--num-prompts", type=int, default=None)
@@ -518,11 +519,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("bench.json"))
     p.add_argument("--plot", type=Path, default=None, help="PNG path (default: next to --out)")
+    batch_bench.add_arguments(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if batch_bench.wants_batch_bench(args):
+        result = batch_bench.run_batch_bench(batch_bench.normalise(args),
+                                             on_cell=lambda partial: write_json(args.out, partial))
+        write_json(args.out, result)
+        batch_bench.plot_grid(result, args.plot or args.out.with_suffix(".png"))
+        print(f"wrote {args.out}")
+        return
     result = run_bench(args, on_prompt=lambda partial: write_json(args.out, partial))
     write_json(args.out, result)
     plot(result, args.plot or args.out.with_suffix(".png"))

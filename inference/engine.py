@@ -29,6 +29,10 @@ from drafthead.format import CONFIG_NAME, is_head_config
 from drafthead.utils import parse_dtype
 from drafthead.masks import causal_allowed
 
+from .batch import decode_batch
+from .batch_head import BatchHeadDrafter
+from .batch_runner import BatchRunner
+from .batch_tree import PlainBatchDrafter
 from .draft_model import DraftModelDrafter, load_draft_model
 from .drafter import Drafter, PlainDrafter
 from .head_runner import head_runner_for
@@ -36,7 +40,8 @@ from .hybrid import HybridDrafter
 from .loading import load_causal_lm
 from .prompt_lookup import PromptLookupDrafter
 from .runner import make_runner
-from .sampling import SamplingParams, target_probs
+from .self_draft import StreamingSelfDrafter
+from .sampling import SamplingParams, pick_next, target_probs
 from .static_runner import bucket_for, compile_setting
 from .tree import DraftTree, TreeDrafter, TreeOptions, tree_options
 from .verify import verify_greedy, verify_sampling
@@ -57,6 +62,8 @@ class GenerationStats:
     # per drafter of a hybrid (DraftTree.origin): drafted nodes proposed, and accepted, by each
     drafted_by: dict[str, int] = field(default_factory=dict)
     accepted_by: dict[str, int] = field(default_factory=dict)
+    rows_new_tokens: list[int] = field(default_factory=list)  # batch: new tokens of each row
+    prefill_time_s: float = 0.0  # batch: prompt forward + the drafter's begin (inside verify_time_s for one row)
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0  # target forwards (prefill included) + verification + cache compaction
     total_time_s: float = 0.0
@@ -94,7 +101,7 @@ class GenerationStats:
 
 @dataclass
 class GenerationOutput:
-    sequences: torch.Tensor  # (1, prompt + new) long
+    sequences: torch.Tensor  # (B, prompt + new) long; a batch's shorter rows are right-padded
     stats: GenerationStats
 
 
@@ -155,7 +162,8 @@ class SpeculativeGenerator:
 
     def __init__(self, target: nn.Module, draft: DraftHead | Drafter | None, tokenizer: Any = None,
                  tree: str | TreeOptions | None = "cpu", runner: Any = "auto", compile: bool | str = "auto",
-                 hybrid: bool = False, lookup_tokens: int = 10, **tree_overrides: int | None):
+                 hybrid: bool = False, lookup_tokens: int = 10, draft_kv: str = "full", sink: int = 4,
+                 window: int = 512, **tree_overrides: int | None):
         self.target = target.eval()
         self.tokenizer = tokenizer
         self.device = next(target.parameters()).device
@@ -165,25 +173,50 @@ class SpeculativeGenerator:
         self._runner = None if isinstance(runner, str) else runner  # a runner object is shared, e.g. by the bench
         self.head: DraftHead | None = None
         self.options: TreeOptions | None = None
+        if draft_kv not in ("full", "streaming"):
+            raise ValueError(f"draft_kv must be 'full' or 'streaming', got {draft_kv!r}")
         if isinstance(draft, DraftHead):
             check_compatible(draft.config, target.config)
             self.head = draft.eval()
+        self._batch_runner: BatchRunner | None = None
+        self.batch_drafter = None  # drafts for a batch (batch_tree.py); None where only one row is supported
+        # always the batched path: self-speculation and windowed draft KV exist only there (B = 1 is a batch)
+        self.batch_only = draft_kv == "streaming" or isinstance(draft, StreamingSelfDrafter)
+        if self.batch_only and hybrid:
+            raise ValueError("hybrid drafting takes draft_kv='full'")
         if tree == "none":  # plain decoding, whatever the draft
             self.drafter = PlainDrafter()
+            self.batch_drafter = PlainBatchDrafter()
+            self.batch_only = False
+        elif isinstance(draft, StreamingSelfDrafter):
+            self.drafter = draft
+            self.batch_drafter = draft
         elif self.head is not None:
             self.options = tree_options(tree, **tree_overrides)
             self.drafter = TreeDrafter(self.head, self.options, head_runner_for(self.head, self.compile))
+            streaming = dict(sink=sink, window=window) if draft_kv == "streaming" else {}
+            self.batch_drafter = BatchHeadDrafter(self.head, self.options, **streaming)
             if hybrid:
                 self.drafter = HybridDrafter(self.drafter, PromptLookupDrafter(lookup_tokens, min_ngram=2))
+                self.batch_drafter = None  # the prompt-lookup branch drafts one row at a time
         elif draft is None:
             raise ValueError("a drafter is needed unless tree='none' (plain decoding)")
         elif isinstance(draft, Drafter):
             self.drafter = draft
+            if draft_kv == "streaming":
+                raise ValueError(f"draft_kv='streaming' applies to a head or to 'self', not to {draft.name}")
         else:
             raise TypeError(f"draft must be a DraftHead, a Drafter or None, got {type(draft).__name__}")
         if hybrid and not isinstance(self.drafter, HybridDrafter):
             raise ValueError("hybrid=True adds prompt lookup to a draft head; this draft is not a head")
         self.plain = isinstance(self.drafter, PlainDrafter)
+
+    @property
+    def batch_runner(self) -> BatchRunner:
+        """The target runner of batched generation (built on first use, then reused)."""
+        if self._batch_runner is None:
+            self._batch_runner = BatchRunner(self.target, self.batch_drafter.feature_layers)
+        return self._batch_runner
 
     @property
     def runner(self):
@@ -232,11 +265,16 @@ class SpeculativeGenerator:
         hybrid: bool = False,
         gamma: int = 4,
         lookup_tokens: int = 10,
+        draft_kv: str = "full",
+        sink: int = 4,
+        window: int = 512,
     ) -> "SpeculativeGenerator":
         """target: HF folder/name or a loaded causal LM. draft: a head folder (native or exported) or DraftHead;
         a smaller causal LM's folder (or model) sharing the target's tokenizer, drafting chains of `gamma` tokens;
-        "prompt-lookup" (chains of up to `lookup_tokens` tokens copied from the context); a Drafter; or None with
-        tree="none". hybrid=True adds the prompt-lookup branch to a head's tree. Raises
+        "prompt-lookup" (chains of up to `lookup_tokens` tokens copied from the context); "self" (the target drafts
+        chains of `gamma` tokens for itself with a StreamingLLM KV of `sink` + `window` positions: MagicDec,
+        self_draft.py); a Drafter; or None with tree="none". hybrid=True adds the prompt-lookup branch to a head's
+        tree. draft_kv="streaming" gives a head the same sink + window KV (the draft for long contexts). Raises
         drafthead.HeadMismatchError when a head was made for another target, TokenizerMismatchError when a draft
         model uses another tokenizer."""
         dtype = parse_dtype(dtype)
@@ -245,6 +283,11 @@ class SpeculativeGenerator:
         ref = next(model.parameters())
         if isinstance(draft, str) and draft == "prompt-lookup":
             draft = PromptLookupDrafter(lookup_tokens)
+        elif isinstance(draft, str) and draft == "self":
+            if draft_kv != "streaming":
+                raise ValueError("self-speculation drafts with draft_kv='streaming' (a full-KV self draft is the "
+                                 "target itself)")
+            draft = StreamingSelfDrafter(model, sink=sink, window=window, gamma=gamma)
         elif isinstance(draft, DraftHead):
             check_compatible(draft.config, model.config)
             draft = draft.to(device=ref.device, dtype=ref.dtype).attach_target(model)
@@ -255,7 +298,8 @@ class SpeculativeGenerator:
         elif isinstance(draft, (str, Path)):
             draft = load_head(draft, target=model, device=ref.device, dtype=ref.dtype)
         return cls(model, draft, tokenizer, tree, runner=runner, compile=compile, hybrid=hybrid,
-                   lookup_tokens=lookup_tokens, depth=depth, top_k=top_k, total_tokens=total_tokens)
+                   lookup_tokens=lookup_tokens, draft_kv=draft_kv, sink=sink, window=window, depth=depth,
+                   top_k=top_k, total_tokens=total_tokens)
 
     @torch.inference_mode()
     def generate(
@@ -273,10 +317,13 @@ class SpeculativeGenerator:
         seed: int | None = None,
         generator: torch.Generator | None = None,
         tokenizer: Any = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> GenerationOutput:
-        """Speculative generation for one prompt (1, T). Arguments as in transformers' generate; explicit
-        arguments win over `generation_config`. Greedy unless sampling is asked for (temperature > 0 or
-        do_sample). eos defaults to the target's generation_config.eos_token_id."""
+        """Speculative generation for prompts (B, T), left-padded with their `attention_mask` when B > 1 (as
+        transformers' generate takes a batch). Arguments as in transformers' generate; explicit arguments win over
+        `generation_config`. Greedy unless sampling is asked for (temperature > 0 or do_sample). eos defaults to
+        the target's generation_config.eos_token_id. Row i of `.sequences` is row i of input_ids followed by its
+        new tokens (right-padded with the pad token to the longest row)."""
         t_start = time.perf_counter()
         gc = generation_config
         params = SamplingParams.make(temperature, top_k, top_p, do_sample, gc)
@@ -286,9 +333,13 @@ class SpeculativeGenerator:
         if generator is None and seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
         input_ids = torch.as_tensor(input_ids)
-        if input_ids.dim() > 2 or (input_ids.dim() == 2 and input_ids.shape[0] != 1):
-            raise ValueError(f"one prompt at a time: input_ids must be (1, T) or (T,), got {tuple(input_ids.shape)}")
-        input_ids = input_ids.view(1, -1).to(self.device)
+        if input_ids.dim() > 2:
+            raise ValueError(f"input_ids must be (B, T) or (T,), got {tuple(input_ids.shape)}")
+        input_ids = input_ids.view(-1 if input_ids.dim() == 2 else 1, input_ids.shape[-1]).to(self.device)
+        padded = attention_mask is not None and not bool(torch.as_tensor(attention_mask).all())
+        if input_ids.shape[0] > 1 or padded or self.batch_only:
+            return self._generate_batch(input_ids, attention_mask, params, gc, eos_token_id, stop, tokenizer,
+                                        max_new_tokens, generator, streamer, t_start)
         runner = self.runner
         runner.reset(input_ids.shape[1] + max_new_tokens)
         with runner.session(), self.drafter.session():
@@ -297,6 +348,45 @@ class SpeculativeGenerator:
         stats.total_time_s = time.perf_counter() - t_start
         out = torch.tensor(new, dtype=torch.long, device=self.device).view(1, -1)
         return GenerationOutput(torch.cat([input_ids, out], dim=1), stats)
+
+    def _generate_batch(self, input_ids, attention_mask, params, gc, eos_token_id, stop, tokenizer,
+                        max_new_tokens, generator, streamer, t_start) -> GenerationOutput:
+        """Every row at once (batch.py): one target forward verifies all rows' trees."""
+        if self.batch_drafter is None:
+            raise NotImplementedError(f"batched generation supports plain decoding, an EAGLE head and "
+                                      f"self-speculation; the {self.drafter.name} drafter takes one row at a time")
+        if streamer is not None:
+            raise ValueError("a streamer follows one sequence: pass input_ids of batch size 1")
+        b, t = input_ids.shape
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        stoppers = [self._stopper(gc, eos_token_id, stop, tokenizer, max_new_tokens) for _ in range(b)]
+        runner = self.batch_runner
+        runner.reset(b, t + max_new_tokens + self.batch_drafter.tree_size)
+        stats = GenerationStats()
+        with runner.session():
+            new = decode_batch(runner, self.batch_drafter, input_ids, attention_mask, params, stoppers, generator,
+                               stats, _synchronizer(self.device))
+        stats.rows_new_tokens = [len(row) for row in new]
+        stats.new_tokens = sum(stats.rows_new_tokens)
+        stats.total_time_s = time.perf_counter() - t_start
+        pad = self._pad_token(gc)
+        width = max(stats.rows_new_tokens)
+        out = torch.full((b, width), pad, dtype=torch.long, device=self.device)
+        for i, row in enumerate(new):
+            out[i, : len(row)] = torch.tensor(row, dtype=torch.long, device=self.device)
+        return GenerationOutput(torch.cat([input_ids, out], dim=1), stats)
+
+    def _pad_token(self, gc: Any) -> int:
+        """The id that right-pads a batch's shorter rows: pad token, else eos, else 0 (as generate does)."""
+        for name in ("pad_token_id", "eos_token_id"):
+            for config in (gc, getattr(self.target, "generation_config", None), self.target.config):
+                value = getattr(config, name, None)
+                if isinstance(value, list):
+                    value = value[0] if value else None
+                if value is not None:
+                    return int(value)
+        return 0
 
     def _stopper(self, gc: Any, eos_token_id, stop, tokenizer, max_new_tokens: int) -> "_Stopper":
         """Stop conditions from the arguments, else the generation config, else the target's eos."""
@@ -323,7 +413,7 @@ class SpeculativeGenerator:
             streamer.put(input_ids.cpu())
         t0 = time.perf_counter()
         logits, features = runner.prefill(input_ids)
-        first = self._pick(logits, params, generator)
+        first = pick_next(logits, params, generator)
         stats.target_forwards += 1
         drafter.begin(input_ids, features, input_ids.shape[1] + stopper.max_new)
         sync()
@@ -356,13 +446,6 @@ class SpeculativeGenerator:
         if streamer is not None:
             streamer.end()
         return new, stats
-
-    @staticmethod
-    def _pick(logits: torch.Tensor, params: SamplingParams, generator) -> torch.Tensor:
-        """The target's next token from logits (1, V): argmax, or a sample of the processed distribution."""
-        if not params.do_sample:
-            return logits.float().argmax(dim=-1)
-        return torch.multinomial(target_probs(logits, params), 1, generator=generator)[0]
 
 
 def is_head_folder(path: str | Path) -> bool:

@@ -19,6 +19,13 @@ from drafthead.model import DraftHead
 from .static_runner import MIN_CAPACITY, buffer_capacity, compile_step
 
 
+def head_top_k(head: DraftHead, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden (..., H) -> (log-probs (..., k) float32, target ids (..., k)) of each row's top-k draft tokens."""
+    logp = torch.log_softmax(head.logits(hidden).float(), dim=-1)
+    top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+    return top.values, head.draft_to_target(top.indices)
+
+
 class SlotCache:
     """Duck-types the `update(keys, values, layer_idx)` call of transformers' attention: writes the new entries at
     `slots` (a tensor of buffer positions, set before each forward) and returns the whole buffers."""
@@ -74,10 +81,7 @@ class HeadRunner:
         return self.head(tokens, hidden, positions, mask, self.cache)
 
     def top_k(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden (k0, H) -> (log-probs (k0, k) float32, target ids (k0, k)) of each row's top-k draft tokens."""
-        logp = torch.log_softmax(self.head.logits(hidden).float(), dim=-1)
-        top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
-        return top.values, self.head.draft_to_target(top.indices)
+        return head_top_k(self.head, hidden, k)
 
     def _expand_eager(self, tokens, hidden, positions, mask, slots, k: int):
         out = self.forward(tokens, hidden, positions, mask, slots)  # (1, k, H)

@@ -80,3 +80,10 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """(..., V) logits -> float32 probabilities of the processed distribution."""
     return process_logits(logits, params).softmax(dim=-1)
+
+
+def pick_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Each row's next token from logits (B, V), shape (B,): argmax, or a sample of the processed distribution."""
+    if not params.do_sample:
+        return logits.float().argmax(dim=-1)
+    return torch.multinomial(target_probs(logits, params), 1, generator=generator)[:, 0]

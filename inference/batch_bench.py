@@ -1,0 +1,253 @@
+"""Batch x context benchmark: plain batched decoding against self-speculation (StreamingLLM draft, MagicDec) and
+EAGLE-head drafting with a full or a windowed KV, on long real prompts (long_context.py).
+
+    python -m inference.bench --target T --draft HEAD --batch-size 8 --context 8192        # one cell
+    python -m inference.bench --target T --draft HEAD --grid --contexts 2048,4096,8192 --batch-sizes 1,4,8,16
+
+Each cell (context L, batch B) decodes at least `--prompts-per-cell` prompts of exactly L tokens, B at a time.
+Every prompt is prefilled ONCE per context (its KV kept per row); a cell's batches are built from those rows and
+every method starts from a copy of the same batch (the prefill is reported apart), so the methods decode the
+very same rows. Decoding runs `--max-new-tokens` per row without eos
+(fixed-length throughput, as MagicDec measures). Reported per method: decode tokens/s (all rows), speedup over
+plain batched decoding in the same cell, τ (tokens per row per verification), cost per step (draft and verify),
+the drafter's begin time (feeding the prompt to a head), and the cell's peak RSS. Greedy outputs are checked
+against plain decoding row by row. Writes one JSON (rewritten after every cell) and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from drafthead import load_head
+from drafthead.hardware import resolve_dtype
+
+from .batch import decode_batch
+from .batch_head import BatchHeadDrafter
+from .batch_runner import BatchRunner
+from .batch_tree import PlainBatchDrafter
+from .engine import GenerationStats, _Stopper
+from .loading import load_causal_lm
+from .long_context import long_prompts
+from .sampling import SamplingParams
+from .self_draft import StreamingSelfDrafter
+from .tree import tree_options
+
+BATCH_METHODS = {
+    "plain": "plain batched decoding on the batch runner (the baseline)",
+    "self": "self-speculation: the target drafts gamma tokens with a sink + window KV (MagicDec)",
+    "head": "EAGLE head trees, the head's KV over the whole context",
+    "head_window": "EAGLE head trees, the head's KV windowed (sink + window)",
+}
+
+
+def peak_rss_reset() -> None:
+    """Reset the kernel's peak-RSS mark of this process (Linux: /proc/self/clear_refs, 5)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_rss_mb() -> float | None:
+    """Peak resident memory since the last reset, MB (Linux VmHWM), or None where unavailable."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def make_drafters(args, model, head) -> dict:
+    """The methods' batched drafters by name."""
+    options = tree_options(args.tree)
+    drafters = {"plain": PlainBatchDrafter(),
+                "self": StreamingSelfDrafter(model, sink=args.sink, window=args.window, gamma=args.gamma)}
+    if head is not None:
+        drafters["head"] = BatchHeadDrafter(head, options)
+        drafters["head_window"] = BatchHeadDrafter(head, options, sink=args.sink, window=args.window)
+    return {name: drafters[name] for name in args.batch_methods if name in drafters}
+
+
+def prefill_rows(runner: BatchRunner, prompts: list[list[int]], room: int, group: int = 4) -> tuple[list[dict], float]:
+    """Prefill every prompt once (`group` rows at a time); each row's KV entries, last logits and features, to
+    build any batch of these prompts from. Returns (rows, seconds)."""
+    device = next(runner.model.parameters()).device
+    rows, t0 = [], time.perf_counter()
+    for g in range(0, len(prompts), group):
+        ids = torch.tensor(prompts[g: g + group], dtype=torch.long, device=device)
+        runner.reset(ids.shape[0], ids.shape[1] + room)
+        with runner.session(), torch.inference_mode():
+            logits, features = runner.prefill(ids)
+        for i, row in enumerate(runner.export_rows()):
+            row.update(ids=ids[i], logits=logits[i], features=features[i] if features is not None else None)
+            rows.append(row)
+    return rows, time.perf_counter() - t0
+
+
+def run_group(runner: BatchRunner, drafters: dict, rows: list[dict], max_new: int) -> dict:
+    """Load one group of prefilled rows, then decode it with every drafter from a copy of that KV."""
+    ids = torch.stack([row["ids"] for row in rows])
+    b = ids.shape[0]
+    mask = torch.ones_like(ids)
+    params = SamplingParams()
+    runner.reset(b, ids.shape[1] + max_new + max(d.tree_size for d in drafters.values()))
+    runner.load_rows(rows)
+    features = torch.stack([row["features"] for row in rows]) if rows[0]["features"] is not None else None
+    prefilled = (torch.stack([row["logits"] for row in rows]), features)
+    state = runner.snapshot()
+    out = {}
+    for name, drafter in drafters.items():
+        runner.restore(state)
+        stats = GenerationStats()
+        stoppers = [_Stopper(set(), [], None, max_new) for _ in range(b)]
+        t0 = time.perf_counter()
+        with runner.session(), torch.inference_mode():
+            new = decode_batch(runner, drafter, ids, mask, params, stoppers, None, stats, lambda: None,
+                               prefilled=prefilled)
+        total = time.perf_counter() - t0
+        decode_s = total - stats.prefill_time_s  # prefill_time_s here: the drafter's begin alone
+        out[name] = dict(rows=new, decode_s=decode_s, begin_s=stats.prefill_time_s,
+                         steps=stats.target_forwards - 1, accept=stats.accept_lengths,
+                         draft_s=stats.draft_time_s, verify_s=stats.verify_time_s)
+    del state
+    return out
+
+
+def summarise_cell(groups: list[dict], names: list[str], b: int, context: int) -> dict:
+    """Per-method figures of one cell from its groups; greedy rows compared with plain decoding."""
+    cell = {"context": context, "batch": b, "prompts": b * len(groups), "methods": {}}
+    for name in names:
+        runs = [g[name] for g in groups]
+        tokens = sum(len(r) for g in runs for r in g["rows"])
+        decode_s = sum(g["decode_s"] for g in runs)
+        steps = sum(g["steps"] for g in runs)
+        accept = [a for g in runs for a in g["accept"]]
+        m = dict(tokens=tokens, decode_s=round(decode_s, 3), tokens_per_s=tokens / decode_s,
+                 tau=sum(accept) / max(len(accept), 1), steps=steps,
+                 step_ms=1000 * decode_s / max(steps, 1),
+                 draft_ms_per_step=1000 * sum(g["draft_s"] for g in runs) / max(steps, 1),
+                 verify_ms_per_step=1000 * sum(g["verify_s"] for g in runs) / max(steps, 1),
+                 begin_s=sum(g["begin_s"] for g in runs))
+        if name != "plain" and "plain" in names:
+            m["greedy_match"] = all(r == p for g in groups for r, p in zip(g[name]["rows"], g["plain"]["rows"]))
+        cell["methods"][name] = m
+    if "plain" in names:
+        base = cell["methods"]["plain"]["tokens_per_s"]
+        for m in cell["methods"].values():
+            m["speedup"] = m["tokens_per_s"] / base
+    return cell
+
+
+def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
+    """Every (context, batch) cell of the grid (or the one cell asked for); see the module docstring."""
+    from .bench import cpu_flags
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    model, tokenizer = load_causal_lm(args.target, dtype)
+    model = model.to(device=device, dtype=dtype).eval()
+    head = load_head(args.draft, target=model, device=device, dtype=dtype) if args.draft else None
+    drafters = make_drafters(args, model, head)
+    names = list(drafters)
+    feature_layers = drafters["head"].feature_layers if "head" in drafters else (
+        drafters["head_window"].feature_layers if "head_window" in drafters else [])
+    runner = BatchRunner(model, feature_layers)
+    result = {"target": str(args.target), "draft": str(args.draft), "device": str(device), "dtype": str(dtype),
+              "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
+              "tree": str(tree_options(args.tree)), "sink": args.sink, "window": args.window, "gamma": args.gamma,
+              "methods": {n: BATCH_METHODS[n] for n in names}, "cells": []}
+    room = args.max_new_tokens + max(d.tree_size for d in drafters.values())
+    for context in args.contexts:
+        prompts = long_prompts(tokenizer, context, max(max(args.batch_sizes), args.prompts_per_cell), task=args.task)
+        peak_rss_reset()
+        rows, seconds = prefill_rows(runner, prompts, room)
+        result.setdefault("prefill", {})[str(context)] = {"prompts": len(rows), "seconds": round(seconds, 1),
+                                                          "tokens_per_s": len(rows) * context / seconds}
+        print(f"context {context}: prefilled {len(rows)} prompts in {seconds:.0f} s", flush=True)
+        for b in args.batch_sizes:
+            peak_rss_reset()
+            groups = [run_group(runner, drafters, [rows[(g * b + i) % len(rows)] for i in range(b)],
+                                args.max_new_tokens)
+                      for g in range(math.ceil(args.prompts_per_cell / b))]
+            cell = summarise_cell(groups, names, b, context)
+            cell["peak_rss_mb"] = peak_rss_mb()  # the cell's batch buffers, its snapshot and every stored row
+            result["cells"].append(cell)
+            line = "  ".join(f"{n} {m['tokens_per_s']:.1f} tok/s x{m.get('speedup', 1):.2f} tau {m['tau']:.2f}"
+                             for n, m in cell["methods"].items())
+            print(f"context {context} batch {b}: {line}", flush=True)
+            if on_cell is not None:
+                on_cell(result)
+        del rows
+    return result
+
+
+def plot_grid(result: dict, path: Path) -> None:
+    """Speedup over plain batched decoding vs batch size: one panel per method, one line per context."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in result["methods"] if n != "plain"]
+    contexts = sorted({c["context"] for c in result["cells"]})
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False, sharey=True)
+    for ax, name in zip(axes[0], names):
+        for context in contexts:
+            cells = sorted((c for c in result["cells"] if c["context"] == context), key=lambda c: c["batch"])
+            ax.plot([c["batch"] for c in cells], [c["methods"][name]["speedup"] for c in cells], marker="o",
+                    label=f"{context // 1024}k context")
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_title(name)
+        ax.set_xlabel("batch size")
+    axes[0][0].set_ylabel("speedup over plain batched decoding")
+    axes[0][-1].legend()
+    fig.suptitle(f"{Path(result['target']).name}, {result['dtype']}, {result['max_new_tokens']} new tokens")
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The batch/long-context options of inference.bench."""
+    g = p.add_argument_group("batch x context (with --grid, --batch-size or --context)")
+    g.add_argument("--grid", action="store_true", help="every --contexts x --batch-sizes cell")
+    g.add_argument("--batch-size", type=int, default=None, help="one cell: this batch size")
+    g.add_argument("--context", type=int, default=None, help="one cell: prompts of exactly this many tokens")
+    g.add_argument("--contexts", default="2048,4096,8192")
+    g.add_argument("--batch-sizes", default="1,4,8,16")
+    g.add_argument("--prompts-per-cell", type=int, default=4)
+    g.add_argument("--batch-methods", default=",".join(BATCH_METHODS),
+                   help="comma list of: " + "; ".join(f"{k}: {v}" for k, v in BATCH_METHODS.items()))
+    g.add_argument("--sink", type=int, default=4, help="attention-sink positions of a streaming draft KV")
+    g.add_argument("--window", type=int, default=512, help="recent positions of a streaming draft KV")
+    g.add_argument("--task", default="continue", choices=["continue", "summarise"])
+
+
+def wants_batch_bench(args: argparse.Namespace) -> bool:
+    return bool(args.grid or args.batch_size or args.context)
+
+
+def normalise(args: argparse.Namespace) -> argparse.Namespace:
+    """Parse the grid's lists; one cell when --batch-size/--context are given without --grid."""
+    args.contexts = [args.context] if args.context and not args.grid else [int(x) for x in args.contexts.split(",")]
+    args.batch_sizes = ([args.batch_size] if args.batch_size and not args.grid
+                        else [int(x) for x in args.batch_sizes.split(",")])
+    args.batch_methods = [m.strip() for m in args.batch_methods.split(",") if m.strip()]
+    unknown = sorted(set(args.batch_methods) - set(BATCH_METHODS))
+    if unknown:
+        raise SystemExit(f"unknown batch methods {unknown}; choose from {sorted(BATCH_METHODS)}")
+    if args.tree == "auto":
+        args.tree = "3,2,4"
+    return args

@@ -1,0 +1,226 @@
+"""EAGLE-2 dynamic trees for a batch of rows, with the head's KV full or windowed (StreamingLLM).
+
+The same drafting as tree.py's TreeDrafter, with a batch axis: every row expands its own top-k frontier at every
+depth in ONE head forward for the whole batch, and keeps its own best `total_tokens` candidates, so all rows'
+trees have the same size (one target verify shape). Rows sit at different positions: the head's buffer is
+addressed per row (slots.py), its stable part holding each row's true pairs (target feature at t, token t+1) at
+the slot of position t, and a shared scratch region after it holding the drafted frontier nodes of the current
+tree.
+
+With `window` set the stable part is StreamingLLM's sink + ring layout: the head attends its first `sink` pairs
+and the last `window` ones, so its buffer and its cost per depth stay constant however long the context grows
+(the draft for long contexts). The head has one layer, so an entry's key/value depends only on its own pair: the
+prompt's pairs outside the window are never computed at all.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drafthead.masks import to_additive
+from drafthead.model import DraftHead
+
+from .batch_tree import BatchTree
+from .head_runner import head_top_k
+from .slots import SlotMap, write_rows
+from .tree import TreeOptions
+
+FEED_CHUNK = 256  # pairs per head forward when feeding a prompt
+
+
+class RowSlotCache:
+    """Duck-types transformers' `cache.update(keys, values, layer_idx)`: writes each row's new entries at its own
+    `slots` (B, n), set before each forward, and returns the whole buffers (B, kv_heads, S, head_dim)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+        self.slots: torch.Tensor | None = None
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int = 0, *args, **kwargs):
+        write_rows(self.keys, self.slots, keys.transpose(1, 2))
+        write_rows(self.values, self.slots, values.transpose(1, 2))
+        return self.keys, self.values
+
+    def __len__(self) -> int:
+        return self.keys.shape[2]
+
+
+class BatchHeadDrafter:
+    """A batched drafter (batch_tree.BatchDrafter) drafting EAGLE-2 trees; see the module docstring."""
+
+    name = "eagle"
+
+    def __init__(self, head: DraftHead, options: TreeOptions, sink: int = 0, window: int | None = None):
+        self.head = head.eval()
+        self.opt = options
+        self.layout = SlotMap(sink, window)
+        self.tree_size = options.tree_size
+        self.dtype = next(head.parameters()).dtype
+        self.cache: RowSlotCache | None = None
+        self.slot_pos: torch.Tensor | None = None  # (B, capacity) position held by each slot, -1 if none
+        self.next_pos: torch.Tensor | None = None  # (B,) pairs fed so far (the root's position)
+        self.pending: dict[str, torch.Tensor] = {}  # true pairs waiting for the next root
+        self.stable_slots = self.capacity = 0
+
+    @property
+    def feature_layers(self) -> list[int]:
+        return list(self.head.config.aux_layer_ids)
+
+    @property
+    def dummy(self) -> int:
+        return self.capacity - 1
+
+    @property
+    def kv_shape(self) -> tuple[int, ...]:
+        """Shape of the head's key buffer (B, kv_heads, stable + tree slots, head_dim)."""
+        return tuple(self.cache.keys.shape)
+
+    # ------------------------------------------------------------------------------ the batched protocol
+    def begin(self, runner, input_ids: torch.Tensor, attention_mask, features: torch.Tensor) -> None:
+        """Fresh buffers; the prompt's pairs (feature at t, token t+1) wait for the first roots (the last pair's
+        token). Only the pairs the layout keeps are fed."""
+        b, t = input_ids.shape
+        cfg = self.head.config
+        device = features.device
+        self.stable_slots = self.layout.size(runner.capacity)
+        self.capacity = self.stable_slots + self.opt.depth * self.opt.top_k + 1
+        shape = (b, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
+        self.cache = RowSlotCache(torch.zeros(shape, dtype=self.dtype, device=device),
+                                  torch.zeros(shape, dtype=self.dtype, device=device))
+        self.slot_pos = torch.full((b, self.capacity), -1, dtype=torch.long, device=device)
+        self.next_pos = torch.zeros(b, dtype=torch.long, device=device)
+        lengths = runner.positions  # (B,) prompt tokens of each row
+        positions, valid = self.layout.needed(self.next_pos, lengths)
+        columns = (runner.start[:, None] + positions).clamp(max=t - 1)  # left padding: row i starts at start_i
+        feats = features.gather(1, columns[..., None].expand(-1, -1, features.shape[-1]))
+        tokens = input_ids.to(device).gather(1, (columns + 1).clamp(max=t - 1))
+        self._wait(feats, tokens, positions, valid, valid & (positions == lengths[:, None] - 1))
+
+    def _wait(self, features, tokens, positions, valid, is_root) -> None:
+        self.pending = dict(features=features, tokens=tokens, positions=positions, valid=valid, is_root=is_root)
+
+    @torch.inference_mode()
+    def propose(self, roots: torch.Tensor, params=None, generator=None) -> BatchTree:
+        """Feed each row's pending pairs (the last one's token is its root), then draft the rows' trees."""
+        last, scores, tokens = self._feed(roots)
+        return self._draft(roots, last, scores, tokens)
+
+    def accept(self, paths: list[torch.Tensor], new_tokens: list[torch.Tensor], features: torch.Tensor) -> None:
+        """Row i's pairs: the accepted nodes' true features, each with the token after it (the last: the root)."""
+        b, device = len(paths), features.device
+        counts = torch.tensor([p.shape[0] for p in paths], device=device)
+        m = int(counts.max())
+        feats = features.new_zeros(b, m, features.shape[-1])
+        tokens = torch.zeros(b, m, dtype=torch.long, device=device)
+        for i, (path, new) in enumerate(zip(paths, new_tokens)):
+            feats[i, : path.shape[0]] = features[i, path]
+            tokens[i, : path.shape[0]] = new
+        j = torch.arange(m, device=device)[None, :]
+        self._wait(feats, tokens, self.next_pos[:, None] + j, j < counts[:, None], j == counts[:, None] - 1)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        self.cache.keys = self.cache.keys.index_select(0, rows)
+        self.cache.values = self.cache.values.index_select(0, rows)
+        self.slot_pos, self.next_pos = self.slot_pos[rows], self.next_pos[rows]
+        self.pending = {k: v[rows] for k, v in self.pending.items()}
+
+    # ------------------------------------------------------------------------------ head passes
+    def _forward(self, tokens, hidden, positions, valid) -> torch.Tensor:
+        """True pairs (B, m) at their rows' slots; each attends the row's held pairs up to its own position.
+        Padded entries (valid False) are written to, and attend only, the dummy slot. Returns (B, m, H)."""
+        slots = torch.where(valid, self.layout.slots(positions), self.dummy)
+        self.slot_pos.scatter_(1, slots, torch.where(valid, positions, -1))
+        self.slot_pos[:, self.dummy] = -1
+        held = self.slot_pos[:, None, :]
+        allowed = (held >= 0) & (held <= positions[:, :, None])  # (B, m, capacity)
+        allowed[:, :, self.dummy] = ~valid
+        self.cache.slots = slots
+        return self.head(tokens, hidden, positions, to_additive(allowed.unsqueeze(1), self.dtype), self.cache)
+
+    def _feed(self, roots: torch.Tensor):
+        """Feed the pending pairs (in chunks for a prompt). Returns each row's head output at its last pair
+        (B, 1, H) and that output's top-k (log-probs (B, k), target ids (B, k)): depth 1 of the tree."""
+        p = self.pending
+        tokens = torch.where(p["is_root"], roots[:, None], p["tokens"])
+        count = p["valid"].sum(dim=1)
+        chunk = min(FEED_CHUNK, self.layout.window or FEED_CHUNK)  # a chunk never wraps the ring onto itself
+        last = None
+        for c0 in range(0, tokens.shape[1], chunk):
+            part = slice(c0, c0 + chunk)
+            out = self._forward(tokens[:, part], self.head.fuse(p["features"][:, part].to(self.dtype)),
+                                p["positions"][:, part], p["valid"][:, part])
+            at = count - 1 - c0  # each row's last pair, if it is in this chunk
+            pick = out.gather(1, at.clamp(0, out.shape[1] - 1)[:, None, None].expand(-1, 1, out.shape[-1]))
+            inside = ((at >= 0) & (at < out.shape[1]))[:, None, None]
+            last = pick if last is None else torch.where(inside, pick, last)
+        fed = torch.where(p["valid"], p["positions"], -1).max(dim=1).values + 1
+        self.next_pos = torch.where(count > 0, fed, self.next_pos)  # a finished row feeds nothing
+        scores, ids = head_top_k(self.head, last[:, 0], self.opt.top_k)
+        return last, scores, ids
+
+    def _draft(self, roots, last, scores, tokens) -> BatchTree:
+        """Expand every row's tree depth by depth (one head forward per depth for the whole batch)."""
+        b, k = scores.shape
+        device = scores.device
+        s = self.stable_slots
+        held = self.slot_pos >= 0  # (B, capacity): each row's true pairs
+        cand = dict(scores=[scores], tokens=[tokens], parents=[torch.full((b, k), -1, device=device)],
+                    depths=[torch.ones(b, k, dtype=torch.long, device=device)])
+        frontier = torch.arange(k, device=device).expand(b, k)  # candidate ids of the nodes to expand
+        frontier_scores, frontier_tokens = scores, tokens
+        parent_hidden = last.expand(b, k, -1)
+        parent_fed = None  # (B, k) index of each frontier node's parent among the fed nodes
+        fed_allowed = torch.zeros(b, 0, 0, dtype=torch.bool, device=device)  # (B, f, f) ancestry of fed nodes
+        eye = torch.eye(k, dtype=torch.bool, device=device).expand(b, k, k)
+        num = k
+        for d in range(1, self.opt.depth):
+            f = fed_allowed.shape[1]
+            rows = (torch.zeros(b, k, f, dtype=torch.bool, device=device) if parent_fed is None
+                    else fed_allowed.gather(1, parent_fed[:, :, None].expand(-1, -1, f)))
+            rows = torch.cat([rows, eye], dim=2)  # (B, k, f+k)
+            fed_allowed = torch.cat([torch.cat([fed_allowed, torch.zeros(b, f, k, dtype=torch.bool, device=device)],
+                                               dim=2), rows], dim=1)
+            allowed = held[:, None, :].expand(b, k, self.capacity).clone()
+            allowed[:, :, s: s + f + k] = rows
+            self.cache.slots = torch.arange(s + f, s + f + k, device=device).expand(b, k)
+            positions = (self.next_pos - 1 + d)[:, None].expand(b, k)
+            out = self.head(frontier_tokens, parent_hidden, positions,
+                            to_additive(allowed.unsqueeze(1), self.dtype), self.cache)  # (B, k, H)
+            logp, child = head_top_k(self.head, out, k)  # (B, k, k')
+            kk = logp.shape[2]
+            child_scores = (frontier_scores[:, :, None] + logp).flatten(1)  # (B, k·k')
+            cand["scores"].append(child_scores)
+            cand["tokens"].append(child.flatten(1))
+            cand["parents"].append(frontier.repeat_interleave(kk, dim=1))
+            cand["depths"].append(torch.full_like(child_scores, d + 1, dtype=torch.long))
+            best = torch.topk(child_scores, k, dim=1).indices  # (B, k) the next frontier
+            owner = best // kk  # each new frontier node's parent among this depth's fed nodes
+            frontier = num + best
+            frontier_scores = child_scores.gather(1, best)
+            frontier_tokens = cand["tokens"][-1].gather(1, best)
+            parent_hidden = out.gather(1, owner[:, :, None].expand(-1, -1, out.shape[-1]))
+            parent_fed = f + owner
+            num += child_scores.shape[1]
+        return self._select(roots, *(torch.cat(cand[key], dim=1) for key in ("scores", "tokens", "parents", "depths")))
+
+    def _select(self, roots, scores, tokens, parents, depths) -> BatchTree:
+        """Each row keeps its best total_tokens candidates (stable sort: parents before children on ties)."""
+        b, num = scores.shape
+        device = scores.device
+        keep = min(self.opt.total_tokens, num)
+        order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :keep]
+        chosen = torch.sort(order, dim=1).values  # (B, keep) candidate order: parents before children
+        where = torch.full((b, num), -1, dtype=torch.long, device=device)
+        where.scatter_(1, chosen, torch.arange(1, keep + 1, device=device).expand(b, keep))
+        par = parents.gather(1, chosen)
+        tree_parents = torch.where(par < 0, 0, where.gather(1, par.clamp_min(0)))
+        column = torch.zeros(b, 1, dtype=torch.long, device=device)
+        parents = torch.cat([column - 1, tree_parents], dim=1)
+        n = keep + 1
+        eye = torch.eye(n, dtype=torch.bool, device=device)
+        up = parents.clamp_min(0)[:, :, None].expand(b, n, n)
+        ancestors = eye.expand(b, n, n)
+        for _ in range(self.opt.depth):  # ancestors_{k+1}[i] = {i} | ancestors_k[parent(i)]
+            ancestors = eye | ancestors.gather(1, up)
+        return BatchTree(torch.cat([roots.view(b, 1), tokens.gather(1, chosen)], dim=1), parents,
+                         torch.cat([column, depths.gather(1, chosen)], dim=1), ancestors)

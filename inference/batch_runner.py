@@ -1,0 +1,229 @@
+"""Batched target runner: B rows in preallocated KV buffers, each row advancing by its own accepted length.
+
+Layout of one row in the (B, kv_heads, capacity, head_dim) buffers (transformers' StaticCache):
+
+    [ left padding | committed tokens: slots start_i .. length_i-1 | hole | tree: W .. W+n-1 | ... | scratch ]
+
+- prefill() takes left-padded prompts (B, T) with their attention mask: row i's tokens start at slot start_i.
+- verify() writes every row's tree at the same slots W = max_i length_i (StaticCache writes one slot range for
+  the whole batch) with per-row positions (length_i - start_i + depth) and a per-row 4D mask: the row's committed
+  range plus its tree's ancestor pattern. A shorter row has a masked hole between its length and W.
+- commit() copies each row's accepted nodes down to its own length (one gather + one scatter per layer for the
+  whole batch), so a row's committed tokens stay contiguous and the hole never outlives a step: the buffers never
+  fragment, and nothing needs re-packing while rows are alive.
+- keep_rows() drops finished rows from every buffer (rows that stop stop costing compute).
+
+Prompts are prefilled in chunks under SDPA over the used prefix of the buffers (fused and memory-efficient for
+long query blocks); the short verify steps use the same attention kernel as the single-sequence fast runner
+(attention.py), over the whole buffer: in bf16 a sliced buffer makes the batched matmul copy it (measured 24 ms
+against 7 ms per layer for 8 rows of 8k keys), while the buffer is sized to the batch's longest row anyway.
+Steps run eagerly: shapes change with the batch as rows finish.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+from transformers import StaticCache
+
+from drafthead.capture import HiddenStateCapture
+from drafthead.masks import to_additive
+
+from .attention import NAME as MATMUL_ATTENTION
+from .attention import PREFILL_NAME, attention_implementation, prefers_matmul_attention
+from .slots import copy_rows
+from .static_runner import buffer_capacity, static_cache_supported
+
+PREFILL_CHUNK = 512
+
+
+class BatchRunner:
+    """Target runner for a batch of rows (see the module docstring). `feature_layers`: decoder-layer outputs the
+    head reads ([] for none)."""
+
+    def __init__(self, model: nn.Module, feature_layers: list[int], prefill_chunk: int = PREFILL_CHUNK):
+        reason = static_cache_supported(model)
+        if reason is not None:
+            raise NotImplementedError(f"batched decoding runs on static KV buffers, which do not support {reason}")
+        self.model = model
+        self.feature_layers = list(feature_layers)
+        self.capture = HiddenStateCapture(model, self.feature_layers).attach() if self.feature_layers else None
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self.prefill_chunk = prefill_chunk
+        self.attention = MATMUL_ATTENTION if prefers_matmul_attention(self.device, self.dtype) else None
+        config = model.config.get_text_config(decoder=True)
+        self.config = config
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.cache: StaticCache | None = None
+        self.capacity = 0
+        self.start = self.length = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.tree_at = 0  # W: the slot of the last verified tree's root
+
+    # --------------------------------------------------------------------------------------------- buffers
+    def reset(self, batch: int, length: int) -> None:
+        """Buffers for `batch` rows of up to `length` slots each (prompt with its padding + new tokens + the
+        largest tree); reused when they already fit."""
+        capacity = buffer_capacity(length + 1)  # + the scratch slot
+        if self.cache is None or self.batch != batch or self.capacity < capacity:
+            self.cache = StaticCache(config=self.config, max_cache_len=capacity)
+            self.cache.early_initialization(batch, self.kv_heads, self.head_dim, self.dtype, self.device)
+            self.capacity = capacity
+        self.start = self.length = torch.zeros(batch, dtype=torch.long, device=self.device)
+
+    @property
+    def batch(self) -> int:
+        return self.cache.layers[0].keys.shape[0] if self.cache is not None else 0
+
+    @property
+    def scratch(self) -> int:
+        """A slot no row ever reads: padded copies land there."""
+        return self.capacity - 1
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """(B,) the next position of each row (its committed token count)."""
+        return self.length - self.start
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(keys, values) buffers of every layer, each (B, kv_heads, capacity, head_dim)."""
+        return [(layer.keys, layer.values) for layer in self.cache.layers]
+
+    def slots_of(self, positions: torch.Tensor) -> torch.Tensor:
+        """Buffer slots of committed positions (B, M) of each row."""
+        return self.start[:, None] + positions
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (indices into the current batch), in that order, in every buffer."""
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, rows)
+            layer.values = layer.values.index_select(0, rows)
+        self.start, self.length = self.start[rows], self.length[rows]
+
+    def snapshot(self) -> dict:
+        """A copy of the buffers and row state (to rerun the same prefilled batch with another drafter)."""
+        return {"kv": [(k.clone(), v.clone()) for k, v in self.layers()], "start": self.start.clone(),
+                "length": self.length.clone()}
+
+    def restore(self, state: dict) -> None:
+        """Back to a snapshot() of this runner (same rows)."""
+        for layer, (k, v) in zip(self.cache.layers, state["kv"]):
+            layer.keys, layer.values = k.clone(), v.clone()
+        self.start, self.length = state["start"].clone(), state["length"].clone()
+
+    def export_rows(self) -> list[dict]:
+        """Each row's committed entries [start_i, length_i) of every layer (to rebuild other batches from the
+        same prefilled prompts with load_rows)."""
+        rows = []
+        for i in range(self.batch):
+            part = slice(int(self.start[i]), int(self.length[i]))
+            rows.append({"kv": [(k[i: i + 1, :, part].clone(), v[i: i + 1, :, part].clone())
+                                for k, v in self.layers()]})
+        return rows
+
+    def load_rows(self, rows: list[dict]) -> None:
+        """Fill a reset() batch with rows from export_rows(), row i's entries from slot 0."""
+        lengths = []
+        for i, row in enumerate(rows):
+            for (keys, values), (k, v) in zip(self.layers(), row["kv"]):
+                keys[i: i + 1, :, : k.shape[2]] = k
+                values[i: i + 1, :, : v.shape[2]] = v
+            lengths.append(row["kv"][0][0].shape[2])
+        self.start = torch.zeros(len(rows), dtype=torch.long, device=self.device)
+        self.length = torch.tensor(lengths, dtype=torch.long, device=self.device)
+
+    def session(self) -> contextlib.AbstractContextManager:
+        """The model dispatches attention to this runner's kernel inside it."""
+        return attention_implementation(self.model, self.attention)
+
+    def close(self) -> None:
+        if self.capture is not None:
+            self.capture.detach()
+
+    # --------------------------------------------------------------------------------------------- forward
+    def _forward(self, input_ids, position_ids, allowed, write_at: int, kv_length: int | None, keep: int = 0):
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(write_at)
+        if self.capture is not None:
+            self.capture.recording = True
+        extra = {}
+        if kv_length is not None and self.model.config._attn_implementation in (MATMUL_ATTENTION, PREFILL_NAME):
+            extra["drafthead_kv_length"] = torch.tensor(kv_length)
+        out = self.model(input_ids=input_ids, position_ids=position_ids,
+                         attention_mask=to_additive(allowed.unsqueeze(1), self.dtype),
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=keep, **extra)
+        features = None
+        if self.capture is not None:
+            features = self.capture.stacked(self.feature_layers)
+            self.capture.recording = False
+        return out.logits, features
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Left-padded prompts (B, T) and their mask (1 = token, 0 = padding on the left). Returns (last logits
+        (B, V), features (B, T, F) or None; padded positions hold junk)."""
+        b, t = input_ids.shape
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        attention_mask = attention_mask.to(self.device).long()
+        start = t - attention_mask.sum(dim=1)
+        slot = torch.arange(t, device=self.device)
+        if not torch.equal(attention_mask.bool(), slot[None, :] >= start[:, None]):
+            raise ValueError("batched prompts must be left-padded: each attention_mask row is 0s then 1s "
+                             "(tokenizer.padding_side = 'left')")
+        if (start >= t).any():
+            raise ValueError("every prompt needs at least one token")
+        self.start, self.length = start, torch.zeros_like(start)
+        positions = (slot[None, :] - start[:, None]).clamp_min(0)  # padding sits at position 0
+        keys = torch.arange(self.capacity, device=self.device)
+        features = []
+        with attention_implementation(self.model, PREFILL_NAME):
+            for c0 in range(0, t, self.prefill_chunk):
+                c1 = min(c0 + self.prefill_chunk, t)
+                query = slot[c0:c1]
+                allowed = (keys[None, None, :] <= query[None, :, None]) & (keys[None, None, :] >= start[:, None, None])
+                allowed |= keys[None, None, :] == query[None, :, None]  # padding attends itself (never all-masked)
+                logits, feats = self._forward(input_ids[:, c0:c1].to(self.device), positions[:, c0:c1], allowed,
+                                              c0, c1, keep=1)
+                features.append(feats)
+        self.length = torch.full_like(start, t)
+        return logits[:, -1], (torch.cat(features, dim=1) if features[0] is not None else None)
+
+    @torch.inference_mode()
+    def verify(self, tokens: torch.Tensor, depths: torch.Tensor,
+               ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """One forward over every row's tree: tokens (B, n) root first; depths (B, n); ancestors (B, n, n) bool.
+        Returns (logits (B, n, V), features (B, n, F) or None, argmax (B, n))."""
+        b, n = tokens.shape
+        w = int(self.length.max())
+        if w + n > self.scratch:
+            raise RuntimeError(f"rows of up to {w} slots + a {n}-token tree exceed the KV buffers "
+                               f"({self.capacity}); reset() with the full length first")
+        keys = torch.arange(self.capacity, device=self.device)
+        prefix = (keys[None, :] >= self.start[:, None]) & (keys[None, :] < self.length[:, None])  # (B, capacity)
+        allowed = prefix.unsqueeze(1).expand(b, n, self.capacity).clone()
+        allowed[:, :, w: w + n] = ancestors
+        positions = self.positions[:, None] + depths
+        logits, features = self._forward(tokens, positions, allowed, w, None)
+        self.tree_at = w
+        return logits, features, logits.argmax(dim=-1)
+
+    @torch.inference_mode()
+    def commit(self, paths: list[torch.Tensor]) -> None:
+        """Row i keeps the nodes paths[i] (indices into its last verified tree, root first) after its committed
+        tokens."""
+        counts = torch.tensor([p.shape[0] for p in paths], device=self.device)
+        m = int(counts.max())
+        j = torch.arange(m, device=self.device)
+        valid = j[None, :] < counts[:, None]
+        src = torch.stack([torch.nn.functional.pad(p.to(self.device), (0, m - p.shape[0])) for p in paths])
+        src = torch.where(valid, self.tree_at + src, self.scratch)
+        dst = torch.where(valid, self.length[:, None] + j, self.scratch)
+        for keys, values in self.layers():
+            copy_rows(keys, src, dst)
+            copy_rows(values, src, dst)
+        self.length = self.length + counts

@@ -1,0 +1,175 @@
+"""Long-context prompts from real text (ShareGPT conversations in the asset cache), for long-context benchmarks.
+
+A document is one conversation rendered as plain text ("User: ...\n\nAssistant: ..."); conversations too
+short on their own are joined with the next ones in file order until long enough. A prompt is one chat
+turn "<document cut to fit>\n\n<instruction>", cut by tokens so the templated prompt has an exact length.
+Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from drafthead.paths import cache_dir
+
+SPEAKERS = {"human": "User", "user": "User", "system": "System"}  # every other role speaks as the assistant
+INSTRUCTIONS = {
+    "continue": "Continue the text above from exactly where it stops, in the same style.",
+    "summarise": "Summarise the text above in a few short paragraphs.",
+}
+PIECE_FRACTION = 4  # conversations of at least min_chars / PIECE_FRACTION are joined into documents
+
+
+def default_path() -> Path:
+    return cache_dir() / "data" / "sharegpt.jsonl"
+
+
+def _conversation_text(path: Path, n: int, row: Any) -> str:
+    """One ShareGPT row as "Speaker: text" turns separated by blank lines; ValueError naming file:line if malformed."""
+    turns = row.get("conversations") if isinstance(row, dict) else None
+    if not isinstance(turns, list):
+        raise ValueError(f"{path}:{n}: expected an object with a 'conversations' list")  # noqa: TRY004 (bad data)
+    parts = []
+    for turn in turns:
+        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+            raise ValueError(f"{path}:{n}: each turn must be an object with a string 'value'")  # noqa: TRY004
+        parts.append(f"{SPEAKERS.get(turn.get('from'), 'Assistant')}: {turn['value'].strip()}")
+    return "\n\n".join(parts)
+
+
+def _iter_documents(path: Path, min_chars: int) -> Iterator[tuple[bool, str]]:
+    """(single, text) in file order: conversations of >= min_chars alone, shorter long ones joined in runs."""
+    piece_chars = max(1, min_chars // PIECE_FRACTION)
+    seen: set[bytes] = set()  # digests of conversations already used (ShareGPT repeats some)
+    run: list[str] = []
+    run_chars = 0
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+            text = _conversation_text(path, n, row)
+            if len(text) < piece_chars:
+                continue
+            digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
+            if digest in seen:
+                continue
+            seen.add(digest)
+            if len(text) >= min_chars:
+                yield True, text
+                continue
+            run.append(text)
+            run_chars += len(text) + 2
+            if run_chars >= min_chars:
+                yield False, "\n\n".join(run)
+                run, run_chars = [], 0
+
+
+def long_documents(path: Path | None = None, min_chars: int = 20000, limit: int | None = None) -> list[str]:
+    """Distinct real texts of >= min_chars characters from ShareGPT (default: the cached sharegpt.jsonl).
+
+    Single conversations come first, then runs of consecutive shorter ones joined; each group longest
+    first, ties in file order. The file is streamed once; with `limit`, only that many documents are kept.
+    """
+    path = Path(path) if path is not None else default_path()
+    singles: list[tuple[int, int, str]] = []  # (length, -order, text), a min-heap bounded by `limit`
+    joined: list[tuple[int, int, str]] = []
+    for order, (single, text) in enumerate(_iter_documents(path, min_chars)):
+        heap = singles if single else joined
+        item = (len(text), -order, text)
+        if limit is None or len(heap) < limit:
+            heapq.heappush(heap, item)
+        elif item > heap[0]:
+            heapq.heapreplace(heap, item)
+    docs = [text for _, _, text in sorted(singles, reverse=True)] + [text for _, _, text in sorted(joined, reverse=True)]
+    return docs[:limit] if limit is not None else docs
+
+
+def _chat_ids(tokenizer: Any, content: str) -> list[int]:
+    """Token ids of one user turn after the chat template, with the assistant generation prompt."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def _fit(tokenizer: Any, doc_ids: list[int], instruction: str, context: int, overhead: int) -> list[int] | None:
+    """The templated prompt of exactly `context` tokens from a prefix of doc_ids, or None if none fits.
+
+    The prefix is decoded and re-tokenized inside the template, which may shift the count by a token or
+    two at the cut, so the cut is corrected from the measured length, then searched nearby.
+    """
+    def prompt(k: int) -> list[int]:
+        cut = tokenizer.decode(doc_ids[:k], clean_up_tokenization_spaces=False).rstrip().rstrip("\ufffd").rstrip()
+        return _chat_ids(tokenizer, f"{cut}\n\n{instruction}")
+
+    tried: set[int] = set()
+    k = context - overhead
+    for _ in range(6):
+        if k in tried or not 0 < k <= len(doc_ids):
+            break
+        tried.add(k)
+        ids = prompt(k)
+        if len(ids) == context:
+            return ids
+        k += context - len(ids)
+    center = k
+    for k in sorted(range(center - 4, center + 5), key=lambda j: abs(j - center)):
+        if k not in tried and 0 < k <= len(doc_ids):
+            tried.add(k)
+            ids = prompt(k)
+            if len(ids) == context:
+                return ids
+    return None
+
+
+def _candidates(path: Path, min_chars: int, first: int) -> Iterator[str]:
+    """long_documents in order: the first `first` of them, then (only if needed) the rest, rescanning the file."""
+    docs = long_documents(path, min_chars=min_chars, limit=first)
+    yield from docs
+    if len(docs) == first:
+        yield from long_documents(path, min_chars=min_chars)[first:]
+
+
+def long_prompts(tokenizer: Any, context: int, count: int, path: Path | None = None,
+                 task: str = "continue") -> list[list[int]]:
+    """`count` distinct chat prompts of exactly `context` tokens, each from a different real document.
+
+    Each is one user turn "<document cut to fit>\n\n<instruction>" after the tokenizer's chat template
+    (add_generation_prompt=True); task "continue" asks to continue the text, "summarise" for a summary.
+    ValueError if ShareGPT has too few documents long enough.
+    """
+    if task not in INSTRUCTIONS:
+        raise ValueError(f"task must be one of {sorted(INSTRUCTIONS)}, got {task!r}")
+    instruction = INSTRUCTIONS[task]
+    overhead = len(_chat_ids(tokenizer, f"\n\n{instruction}"))  # template + instruction, no document
+    if context <= overhead:
+        raise ValueError(f"context {context} leaves no room for a document (template + instruction: {overhead} tokens)")
+    path = Path(path) if path is not None else default_path()
+    specials = [t for t in tokenizer.all_special_tokens if t]
+    max_chars = 12 * context  # enough text for `context` tokens in any language; tokenized in one call
+    prompts: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    for doc in _candidates(path, 5 * context, 2 * count + 16):  # ~4 characters a token in English prose
+        text = doc[:max_chars]
+        if any(s in text for s in specials):  # e.g. a literal "<|im_end|>" would read as a control token
+            continue
+        doc_ids = tokenizer(text, add_special_tokens=False).input_ids
+        if len(doc_ids) < context - overhead:
+            continue
+        ids = _fit(tokenizer, doc_ids, instruction, context, overhead)
+        if ids is None or tuple(ids) in seen:
+            continue
+        seen.add(tuple(ids))
+        prompts.append(ids)
+        if len(prompts) == count:
+            return prompts
+    raise ValueError(f"{path} has only {len(prompts)} documents long enough for {context}-token prompts; "
+                     f"{count} were asked for")
