@@ -34,3 +34,12 @@ def resolve_dtype(name: str | torch.dtype | None, device: str | torch.device) ->
     if name is None or name == "auto":
         return auto_dtype(device)
     return parse_dtype(name)
+
+
+def cpu_flags() -> list[str]:
+    """The CPU features that decide the fast dtype (AVX2 / AVX512 / AVX512-BF16 / AMX)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return []
+    return sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})

@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 
 from drafthead import load_head
-from drafthead.hardware import resolve_dtype
+from drafthead.hardware import cpu_flags, resolve_dtype
 
 from .batch import decode_batch
 from .batch_head import BatchHeadDrafter
 from .batch_runner import BatchRunner
 from .batch_tree import PlainBatchDrafter
-from .engine import GenerationStats, _Stopper
+from .engine import GenerationStats, Stopper
 from .loading import load_causal_lm
 from .long_context import long_prompts
 from .sampling import SamplingParams
@@ -107,7 +107,7 @@ def run_group(runner: BatchRunner, drafters: dict, rows: list[dict], max_new: in
     for name, drafter in drafters.items():
         runner.restore(state)
         stats = GenerationStats()
-        stoppers = [_Stopper(set(), [], None, max_new) for _ in range(b)]
+        stoppers = [Stopper(set(), [], None, max_new) for _ in range(b)]
         t0 = time.perf_counter()
         with runner.session(), torch.inference_mode():
             new = decode_batch(runner, drafter, ids, mask, params, stoppers, None, stats, lambda: None,
@@ -148,8 +148,6 @@ def summarise_cell(groups: list[dict], names: list[str], b: int, context: int) -
 
 def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
     """Every (context, batch) cell of the grid (or the one cell asked for); see the module docstring."""
-    from .bench import cpu_flags
-
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

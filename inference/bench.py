@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from drafthead.hardware import resolve_dtype
+from drafthead.hardware import cpu_flags, resolve_dtype
 from drafthead.paths import cache_dir
 from drafthead.utils import atomic_write_json
 
@@ -434,15 +434,6 @@ def assemble(args, device, dtype, inputs, methods: list[Method], mismatches: lis
         if m.name.startswith("speculative_") and m.name != f"speculative_{args.tree}":
             result[f"tau_{m.name.removeprefix('speculative_')}_tree"] = summaries[m.name].get("tau")
     return result
-
-
-def cpu_flags() -> list[str]:
-    """The CPU features that decide the fast dtype (AVX2 / AVX512 / AVX512-BF16 / AMX)."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return []
-    return sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
 
 
 def write_json(path: Path, result: dict) -> None:

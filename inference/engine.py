@@ -105,7 +105,7 @@ class GenerationOutput:
     stats: GenerationStats
 
 
-class _Stopper:
+class Stopper:
     """Where plain decoding would stop inside a batch of new tokens: eos, stop strings, max_new_tokens."""
 
     def __init__(self, eos: set[int], stop: list[str], tokenizer: Any, max_new_tokens: int):
@@ -388,7 +388,7 @@ class SpeculativeGenerator:
                     return int(value)
         return 0
 
-    def _stopper(self, gc: Any, eos_token_id, stop, tokenizer, max_new_tokens: int) -> "_Stopper":
+    def _stopper(self, gc: Any, eos_token_id, stop, tokenizer, max_new_tokens: int) -> "Stopper":
         """Stop conditions from the arguments, else the generation config, else the target's eos."""
         if eos_token_id is None:
             eos_token_id = getattr(gc, "eos_token_id", None)
@@ -398,7 +398,7 @@ class SpeculativeGenerator:
         if stop is None:
             stop = getattr(gc, "stop_strings", None)
         stop = [stop] if isinstance(stop, str) else list(stop or [])
-        return _Stopper(eos, stop, tokenizer or self.tokenizer, max_new_tokens)
+        return Stopper(eos, stop, tokenizer or self.tokenizer, max_new_tokens)
 
     def _decode(self, runner, input_ids, params, stopper, generator, streamer):
         """The decoding loop. Host syncs per step, each needed: the accepted tokens (`.tolist()`: stop checks and

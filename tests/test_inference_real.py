@@ -101,3 +101,32 @@ def test_smollm2_every_drafter_greedy_lossless(smollm2, smollm2_path, head_dir, 
         assert torch.equal(out.sequences, ref), (drafter, prompt, tok.decode(out.sequences[0]), tok.decode(ref[0]))
         accepted += sum(n - 1 for n in out.stats.accept_lengths)
     assert accepted > 0  # drafts were accepted, so multi-token paths and the drafter's bookkeeping were exercised
+
+
+@pytest.mark.real
+def test_smollm2_batch_greedy_lossless(smollm2, smollm2_path, head_dir):
+    """fp32, 4 chat prompts of different lengths in one left-padded batch: plain batched decoding, head trees (full
+    and windowed KV) and StreamingLLM self-speculation each give every row exactly its own greedy output."""
+    from test_batch import left_padded
+    from transformers import AutoTokenizer
+
+    from inference.self_draft import StreamingSelfDrafter
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    prompts = PROMPTS + ["Explain in one sentence why the sky is blue, for a child who is five years old."]
+    rows = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                    return_tensors="pt", return_dict=True)["input_ids"] for p in prompts]
+    assert len({r.shape[1] for r in rows}) > 1
+    refs = [smollm2.generate(r, do_sample=False, max_new_tokens=24)[0, r.shape[1]:].tolist() for r in rows]
+    ids, mask = left_padded(rows, pad=tok.pad_token_id or 0)
+    gens = {"plain": SpeculativeGenerator(smollm2, None, tree="none"),
+            "self": SpeculativeGenerator(smollm2, StreamingSelfDrafter(smollm2, sink=4, window=16, gamma=3))}
+    for kv in ("full", "streaming"):
+        gens[f"head_{kv}"] = SpeculativeGenerator.from_pretrained(smollm2, head_dir, tree="4,4,8", draft_kv=kv,
+                                                                  window=16)
+    for name, gen in gens.items():
+        out = gen.generate(ids, attention_mask=mask, max_new_tokens=24)
+        for i, ref in enumerate(refs):
+            n = out.stats.rows_new_tokens[i]
+            assert out.sequences[i, ids.shape[1]: ids.shape[1] + n].tolist() == ref, (name, i)
+    assert gens["self"].generate(ids, attention_mask=mask, max_new_tokens=24).stats.mean_accepted > 1.5

@@ -1,0 +1,175 @@
+"""Batched generation (B rows of different lengths, left-padded) and StreamingLLM self-speculation: every row's
+output equals that row decoded alone by plain greedy decoding; sampling follows the target's law per row; the
+streaming draft KV stays the same size however long the context."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_inference_greedy import TREES, near_bigram_target, oracle_head, random_head
+from test_inference_sampling import chi_square_p, first_two_law
+from tiny import tiny_model
+
+from inference import SamplingParams, SpeculativeGenerator
+from inference.batch_runner import BatchRunner
+from inference.self_draft import StreamingSelfDrafter
+from inference.slots import SlotMap
+
+torch.set_num_threads(1)
+LENGTHS = (5, 11, 2, 8)  # four rows of different prompt lengths
+
+
+def left_padded(rows: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows (1, T_i) -> left-padded input_ids (B, T) and attention_mask (B, T), as a tokenizer pads for generate."""
+    t = max(r.shape[1] for r in rows)
+    ids = torch.full((len(rows), t), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), t, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, t - r.shape[1]:] = r[0]
+        mask[i, t - r.shape[1]:] = 1
+    return ids, mask
+
+
+def row_prompts(vocab: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (1, n), generator=g) for n in LENGTHS]
+
+
+def generators(target, window: int = 4) -> dict[str, SpeculativeGenerator]:
+    """Every batched method on one target: plain, head trees (full and windowed KV), self-speculation."""
+    oracle = oracle_head(target).attach_target(target)
+    return {
+        "plain": SpeculativeGenerator(target, None, tree="none"),
+        "head": SpeculativeGenerator(target, random_head(target).attach_target(target), tree=TREES["wide"]),
+        "head_oracle": SpeculativeGenerator(target, oracle, tree=TREES["deep"]),
+        "head_window": SpeculativeGenerator(target, oracle, tree=TREES["deep"], draft_kv="streaming", sink=2,
+                                            window=window),
+        "self": SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=2, window=window, gamma=3)),
+    }
+
+
+def assert_rows_match(gen, target, rows, max_new: int, eos: int | None) -> None:
+    """Each row of one batched generate == that row alone through transformers' greedy generate."""
+    ids, mask = left_padded(rows)
+    out = gen.generate(ids, attention_mask=mask, max_new_tokens=max_new, eos_token_id=[] if eos is None else eos)
+    for i, row in enumerate(rows):
+        ref = target.generate(row, do_sample=False, max_new_tokens=max_new, eos_token_id=eos,
+                              pad_token_id=0)[0, row.shape[1]:].tolist()
+        n = out.stats.rows_new_tokens[i]
+        assert out.sequences[i, : ids.shape[1]].tolist() == ids[i].tolist()
+        assert out.sequences[i, ids.shape[1]: ids.shape[1] + n].tolist() == ref, f"row {i}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_batch_greedy_matches_each_row_alone(arch):
+    """fp32, B = 4 rows of different lengths: a random target with random heads (rejections everywhere), and a
+    near-bigram target whose oracle head and self-draft accept long paths, so rows advance by different amounts."""
+    for target in (tiny_model(arch), near_bigram_target(arch)):
+        rows = row_prompts(target.config.vocab_size)
+        for name, gen in generators(target).items():
+            assert_rows_match(gen, target, rows, max_new=24, eos=None)
+
+
+def test_batch_rows_that_hit_eos_stop_there():
+    """eos chosen so that rows stop at different steps (one right away, one never): each row ends exactly where it
+    ends alone, and the batch goes on (and repacks) without it."""
+    target = near_bigram_target("llama")
+    rows = row_prompts(target.config.vocab_size, seed=3)
+    alone = [target.generate(r, do_sample=False, max_new_tokens=30, eos_token_id=None)[0, r.shape[1]:].tolist()
+             for r in rows]
+    eos = alone[0][4]  # row 0 stops after 5 tokens
+    for name, gen in generators(target).items():
+        ids, mask = left_padded(rows)
+        out = gen.generate(ids, attention_mask=mask, max_new_tokens=30, eos_token_id=eos)
+        ends = [alone[i].index(eos) + 1 if eos in alone[i] else 30 for i in range(4)]
+        assert out.stats.rows_new_tokens == ends, name
+        assert len(set(ends)) > 1
+        assert_rows_match(gen, target, rows, max_new=30, eos=eos)
+
+
+def test_batch_of_one_is_the_single_sequence_path():
+    """B = 1 without padding takes the single-sequence engine; self-speculation takes the batched one. Both exact."""
+    target = tiny_model("qwen2", seed=2)
+    row = row_prompts(target.config.vocab_size)[1]
+    ref = target.generate(row, do_sample=False, max_new_tokens=20)
+    for gen in (SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=1, window=3, gamma=2)),
+                SpeculativeGenerator(target, random_head(target).attach_target(target), tree=TREES["deep"],
+                                     draft_kv="streaming", window=5)):
+        out = gen.generate(row, max_new_tokens=20)
+        assert torch.equal(out.sequences, ref)
+        assert gen.batch_only and out.stats.rows_new_tokens == [20]
+
+
+def test_batch_sampling_follows_the_target_per_row():
+    """Chi-square per row: the joint law of each row's first two sampled tokens in a batch of 3 different prompts,
+    self-speculation (draft q != p) and an oracle head, against the target's exact law (2,000 batches)."""
+    params = SamplingParams(True, 0.7, 0, 0.9)
+    target = near_bigram_target("llama", eps=0.02, vocab_size=16)
+    rows = [torch.tensor([[5, 9, 4]]), torch.tensor([[7, 2]]), torch.tensor([[3, 3, 12, 8]])]
+    ids, mask = left_padded(rows)
+    laws = [first_two_law(target, r, params) for r in rows]
+    draws = 2000
+    for gen in (SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=1, window=2, gamma=2)),
+                SpeculativeGenerator(target, oracle_head(target).attach_target(target), tree=TREES["wide"])):
+        g = torch.Generator().manual_seed(4)
+        counts = [{} for _ in rows]
+        accepted = 0
+        for _ in range(draws):
+            out = gen.generate(ids, attention_mask=mask, max_new_tokens=2, temperature=0.7, top_p=0.9, top_k=0,
+                               eos_token_id=[], generator=g)
+            for i in range(len(rows)):
+                key = tuple(out.sequences[i, ids.shape[1]:].tolist())
+                counts[i][key] = counts[i].get(key, 0) + 1
+            accepted += sum(a > 1 for a in out.stats.accept_lengths[:3])
+        assert accepted > draws // 2  # drafts were accepted often: the sampling rule was exercised
+        for i in range(len(rows)):
+            assert chi_square_p(counts[i], laws[i], draws) > 1e-3, i
+
+
+def test_streaming_draft_kv_is_constant_in_context_length():
+    """The self-draft's and the windowed head's KV buffers have the same shape for a 40- and a 400-token context,
+    while the target's grow; the full-KV head's grow with the context."""
+    target = tiny_model("llama")
+    shapes = {}
+    for context in (40, 400):
+        ids = torch.randint(3, 300, (2, context), generator=torch.Generator().manual_seed(context))
+        self_gen = SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=4, window=16, gamma=3))
+        head = random_head(target).attach_target(target)
+        window_gen = SpeculativeGenerator(target, head, tree=TREES["wide"], draft_kv="streaming", sink=4, window=16)
+        full_gen = SpeculativeGenerator(target, head, tree=TREES["wide"])
+        for name, gen in (("self", self_gen), ("head_window", window_gen), ("head", full_gen)):
+            gen.generate(ids, max_new_tokens=4, eos_token_id=[])
+            shapes[name, context] = gen.batch_drafter.kv_shape
+            shapes["target", context] = tuple(gen.batch_runner.layers()[0][0].shape)
+    assert shapes["self", 40] == shapes["self", 400] == (2, 2, 4 + 16 + 3 + 1, 16)
+    assert shapes["head_window", 40] == shapes["head_window", 400]
+    assert shapes["head", 40][2] < shapes["head", 400][2]
+    assert shapes["target", 40][2] < shapes["target", 400][2]
+
+
+def test_slot_map_keeps_sinks_and_the_last_window():
+    layout = SlotMap(sink=2, window=3)
+    positions, valid = layout.needed(torch.tensor([0, 0, 5]), torch.tensor([9, 3, 7]))
+    kept = [p[v].tolist() for p, v in zip(positions, valid)]
+    assert kept == [[0, 1, 6, 7, 8], [0, 1, 2], [5, 6]]
+    assert layout.slots(torch.tensor([0, 1, 2, 3, 4, 5, 8])).tolist() == [0, 1, 2, 3, 4, 2, 2]
+    assert SlotMap().slots(torch.tensor([7])).tolist() == [7] and SlotMap().needed(
+        torch.tensor([1]), torch.tensor([4]))[0].tolist() == [[1, 2, 3]]
+
+
+def test_batch_refusals():
+    target = tiny_model("llama")
+    rows = row_prompts(target.config.vocab_size)
+    ids, mask = left_padded(rows)
+    gen = SpeculativeGenerator(target, None, tree="none")
+    with pytest.raises(ValueError, match="left-padded"):
+        gen.generate(ids, attention_mask=mask.flip(1), max_new_tokens=2)
+    with pytest.raises(ValueError, match="streamer"):
+        gen.generate(ids, attention_mask=mask, max_new_tokens=2, streamer=object())
+    lookup = SpeculativeGenerator.from_pretrained(target, "prompt-lookup")
+    with pytest.raises(NotImplementedError, match="one row at a time"):
+        lookup.generate(ids, attention_mask=mask, max_new_tokens=2)
+    with pytest.raises(ValueError, match="streaming"):
+        SpeculativeGenerator.from_pretrained(target, "self")
+    with pytest.raises(NotImplementedError, match="static KV"):
+        BatchRunner(tiny_model("mistral", sliding_window=8), [])
