@@ -157,9 +157,7 @@ def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
     head = load_head(args.draft, target=model, device=device, dtype=dtype) if args.draft else None
     drafters = make_drafters(args, model, head)
     names = list(drafters)
-    feature_layers = drafters["head"].feature_layers if "head" in drafters else (
-        drafters["head_window"].feature_layers if "head_window" in drafters else [])
-    runner = BatchRunner(model, feature_layers)
+    runner = BatchRunner(model, next((d.feature_layers for d in drafters.values() if d.feature_layers), []))
     result = {"target": str(args.target), "draft": str(args.draft), "device": str(device), "dtype": str(dtype),
               "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
               "tree": str(tree_options(args.tree)), "sink": args.sink, "window": args.window, "gamma": args.gamma,

@@ -16,6 +16,7 @@ prompt's pairs outside the window are never computed at all.
 from __future__ import annotations
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from drafthead.masks import to_additive
 from drafthead.model import DraftHead
@@ -23,7 +24,7 @@ from drafthead.model import DraftHead
 from .batch_tree import BatchTree
 from .head_runner import head_top_k
 from .slots import SlotMap, write_rows
-from .tree import TreeOptions
+from .tree import TreeOptions, expand_tree, select_tree
 
 FEED_CHUNK = 256  # pairs per head forward when feeding a prompt
 
@@ -107,20 +108,16 @@ class BatchHeadDrafter:
 
     def accept(self, paths: list[torch.Tensor], new_tokens: list[torch.Tensor], features: torch.Tensor) -> None:
         """Row i's pairs: the accepted nodes' true features, each with the token after it (the last: the root)."""
-        b, device = len(paths), features.device
+        device = features.device
         counts = torch.tensor([p.shape[0] for p in paths], device=device)
-        m = int(counts.max())
-        feats = features.new_zeros(b, m, features.shape[-1])
-        tokens = torch.zeros(b, m, dtype=torch.long, device=device)
-        for i, (path, new) in enumerate(zip(paths, new_tokens)):
-            feats[i, : path.shape[0]] = features[i, path]
-            tokens[i, : path.shape[0]] = new
-        j = torch.arange(m, device=device)[None, :]
+        nodes = pad_sequence(paths, batch_first=True).to(device)  # (B, m); padding reads node 0, never used
+        feats = features.gather(1, nodes[..., None].expand(-1, -1, features.shape[-1]))
+        tokens = pad_sequence(new_tokens, batch_first=True).to(device)
+        j = torch.arange(nodes.shape[1], device=device)[None, :]
         self._wait(feats, tokens, self.next_pos[:, None] + j, j < counts[:, None], j == counts[:, None] - 1)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        self.cache.keys = self.cache.keys.index_select(0, rows)
-        self.cache.values = self.cache.values.index_select(0, rows)
+        self.cache.keys, self.cache.values = self.cache.keys[rows], self.cache.values[rows]
         self.slot_pos, self.next_pos = self.slot_pos[rows], self.next_pos[rows]
         self.pending = {k: v[rows] for k, v in self.pending.items()}
 
@@ -159,68 +156,23 @@ class BatchHeadDrafter:
         return last, scores, ids
 
     def _draft(self, roots, last, scores, tokens) -> BatchTree:
-        """Expand every row's tree depth by depth (one head forward per depth for the whole batch)."""
-        b, k = scores.shape
-        device = scores.device
-        s = self.stable_slots
+        """Expand every row's tree depth by depth (tree.expand_tree: one head forward per depth for the batch);
+        the frontier is written at shared scratch slots after the stable part and attends each row's true pairs
+        plus its own drafted ancestors."""
+        b = roots.shape[0]
         held = self.slot_pos >= 0  # (B, capacity): each row's true pairs
-        cand = dict(scores=[scores], tokens=[tokens], parents=[torch.full((b, k), -1, device=device)],
-                    depths=[torch.ones(b, k, dtype=torch.long, device=device)])
-        frontier = torch.arange(k, device=device).expand(b, k)  # candidate ids of the nodes to expand
-        frontier_scores, frontier_tokens = scores, tokens
-        parent_hidden = last.expand(b, k, -1)
-        parent_fed = None  # (B, k) index of each frontier node's parent among the fed nodes
-        fed_allowed = torch.zeros(b, 0, 0, dtype=torch.bool, device=device)  # (B, f, f) ancestry of fed nodes
-        eye = torch.eye(k, dtype=torch.bool, device=device).expand(b, k, k)
-        num = k
-        for d in range(1, self.opt.depth):
-            f = fed_allowed.shape[1]
-            rows = (torch.zeros(b, k, f, dtype=torch.bool, device=device) if parent_fed is None
-                    else fed_allowed.gather(1, parent_fed[:, :, None].expand(-1, -1, f)))
-            rows = torch.cat([rows, eye], dim=2)  # (B, k, f+k)
-            fed_allowed = torch.cat([torch.cat([fed_allowed, torch.zeros(b, f, k, dtype=torch.bool, device=device)],
-                                               dim=2), rows], dim=1)
+        s = self.stable_slots
+
+        def step(d, f, frontier_tokens, parent_hidden, rows):
+            k = frontier_tokens.shape[1]
             allowed = held[:, None, :].expand(b, k, self.capacity).clone()
             allowed[:, :, s: s + f + k] = rows
-            self.cache.slots = torch.arange(s + f, s + f + k, device=device).expand(b, k)
+            self.cache.slots = torch.arange(s + f, s + f + k, device=roots.device).expand(b, k)
             positions = (self.next_pos - 1 + d)[:, None].expand(b, k)
-            out = self.head(frontier_tokens, parent_hidden, positions,
-                            to_additive(allowed.unsqueeze(1), self.dtype), self.cache)  # (B, k, H)
-            logp, child = head_top_k(self.head, out, k)  # (B, k, k')
-            kk = logp.shape[2]
-            child_scores = (frontier_scores[:, :, None] + logp).flatten(1)  # (B, k·k')
-            cand["scores"].append(child_scores)
-            cand["tokens"].append(child.flatten(1))
-            cand["parents"].append(frontier.repeat_interleave(kk, dim=1))
-            cand["depths"].append(torch.full_like(child_scores, d + 1, dtype=torch.long))
-            best = torch.topk(child_scores, k, dim=1).indices  # (B, k) the next frontier
-            owner = best // kk  # each new frontier node's parent among this depth's fed nodes
-            frontier = num + best
-            frontier_scores = child_scores.gather(1, best)
-            frontier_tokens = cand["tokens"][-1].gather(1, best)
-            parent_hidden = out.gather(1, owner[:, :, None].expand(-1, -1, out.shape[-1]))
-            parent_fed = f + owner
-            num += child_scores.shape[1]
-        return self._select(roots, *(torch.cat(cand[key], dim=1) for key in ("scores", "tokens", "parents", "depths")))
+            out = self.head(frontier_tokens, parent_hidden, positions, to_additive(allowed.unsqueeze(1), self.dtype),
+                            self.cache)  # (B, k, H)
+            return (out, *head_top_k(self.head, out, k))
 
-    def _select(self, roots, scores, tokens, parents, depths) -> BatchTree:
-        """Each row keeps its best total_tokens candidates (stable sort: parents before children on ties)."""
-        b, num = scores.shape
-        device = scores.device
-        keep = min(self.opt.total_tokens, num)
-        order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :keep]
-        chosen = torch.sort(order, dim=1).values  # (B, keep) candidate order: parents before children
-        where = torch.full((b, num), -1, dtype=torch.long, device=device)
-        where.scatter_(1, chosen, torch.arange(1, keep + 1, device=device).expand(b, keep))
-        par = parents.gather(1, chosen)
-        tree_parents = torch.where(par < 0, 0, where.gather(1, par.clamp_min(0)))
-        column = torch.zeros(b, 1, dtype=torch.long, device=device)
-        parents = torch.cat([column - 1, tree_parents], dim=1)
-        n = keep + 1
-        eye = torch.eye(n, dtype=torch.bool, device=device)
-        up = parents.clamp_min(0)[:, :, None].expand(b, n, n)
-        ancestors = eye.expand(b, n, n)
-        for _ in range(self.opt.depth):  # ancestors_{k+1}[i] = {i} | ancestors_k[parent(i)]
-            ancestors = eye | ancestors.gather(1, up)
-        return BatchTree(torch.cat([roots.view(b, 1), tokens.gather(1, chosen)], dim=1), parents,
-                         torch.cat([column, depths.gather(1, chosen)], dim=1), ancestors)
+        candidates = expand_tree(scores, tokens, last, self.opt.depth, step)
+        tokens, parents, depths, ancestors, _ = select_tree(roots, *candidates, self.opt.total_tokens, self.opt.depth)
+        return BatchTree(tokens, parents, depths, ancestors)

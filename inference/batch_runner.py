@@ -26,6 +26,7 @@ import contextlib
 
 import torch
 import torch.nn as nn
+from torch.nn.utils.rnn import pad_sequence
 from transformers import StaticCache
 
 from drafthead.capture import HiddenStateCapture
@@ -34,9 +35,32 @@ from drafthead.masks import to_additive
 from .attention import NAME as MATMUL_ATTENTION
 from .attention import PREFILL_NAME, attention_implementation, prefers_matmul_attention
 from .slots import copy_rows
-from .static_runner import buffer_capacity, static_cache_supported
+from .static_runner import buffer_capacity, static_cache, static_cache_supported
 
 PREFILL_CHUNK = 512
+
+
+def forward_on_cache(model: nn.Module, cache: StaticCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                     allowed: torch.Tensor, write_at: int, kv_length: int | None = None, keep: int = 0):
+    """One forward of `model` (B, n tokens at explicit positions) over a StaticCache: the new entries are written at
+    slots write_at..write_at+n-1 for every row, and row b's query i attends the slots where allowed[b, i] (bool
+    (B, n, slots)). `kv_length`: the used slots, for this project's prefix-aware attention kernels. `keep`: logits
+    of the last `keep` positions only (0: all). Returns the model's output."""
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(write_at)
+    extra = {}
+    if kv_length is not None and model.config._attn_implementation in (MATMUL_ATTENTION, PREFILL_NAME):
+        extra["drafthead_kv_length"] = torch.tensor(kv_length)
+    return model(input_ids=input_ids, position_ids=position_ids,
+                 attention_mask=to_additive(allowed.unsqueeze(1), cache.layers[0].keys.dtype),
+                 past_key_values=cache, use_cache=True, logits_to_keep=keep, **extra)
+
+
+def keep_cache_rows(cache: StaticCache, rows: torch.Tensor) -> None:
+    """Keep only `rows` (indices) of every layer's buffers, in that order."""
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(0, rows)
+        layer.values = layer.values.index_select(0, rows)
 
 
 class BatchRunner:
@@ -54,12 +78,9 @@ class BatchRunner:
         self.device = next(model.parameters()).device
         self.prefill_chunk = prefill_chunk
         self.attention = MATMUL_ATTENTION if prefers_matmul_attention(self.device, self.dtype) else None
-        config = model.config.get_text_config(decoder=True)
-        self.config = config
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.cache: StaticCache | None = None
         self.capacity = 0
+        self.slot_ids = torch.zeros(0, dtype=torch.long, device=self.device)  # arange(capacity)
         self.start = self.length = torch.zeros(0, dtype=torch.long, device=self.device)
         self.tree_at = 0  # W: the slot of the last verified tree's root
 
@@ -69,9 +90,9 @@ class BatchRunner:
         largest tree); reused when they already fit."""
         capacity = buffer_capacity(length + 1)  # + the scratch slot
         if self.cache is None or self.batch != batch or self.capacity < capacity:
-            self.cache = StaticCache(config=self.config, max_cache_len=capacity)
-            self.cache.early_initialization(batch, self.kv_heads, self.head_dim, self.dtype, self.device)
+            self.cache = static_cache(self.model, batch, capacity)
             self.capacity = capacity
+            self.slot_ids = torch.arange(capacity, device=self.device)
         self.start = self.length = torch.zeros(batch, dtype=torch.long, device=self.device)
 
     @property
@@ -98,9 +119,7 @@ class BatchRunner:
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (indices into the current batch), in that order, in every buffer."""
-        for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, rows)
-            layer.values = layer.values.index_select(0, rows)
+        keep_cache_rows(self.cache, rows)
         self.start, self.length = self.start[rows], self.length[rows]
 
     def snapshot(self) -> dict:
@@ -145,16 +164,9 @@ class BatchRunner:
 
     # --------------------------------------------------------------------------------------------- forward
     def _forward(self, input_ids, position_ids, allowed, write_at: int, kv_length: int | None, keep: int = 0):
-        for layer in self.cache.layers:
-            layer.cumulative_length.fill_(write_at)
         if self.capture is not None:
             self.capture.recording = True
-        extra = {}
-        if kv_length is not None and self.model.config._attn_implementation in (MATMUL_ATTENTION, PREFILL_NAME):
-            extra["drafthead_kv_length"] = torch.tensor(kv_length)
-        out = self.model(input_ids=input_ids, position_ids=position_ids,
-                         attention_mask=to_additive(allowed.unsqueeze(1), self.dtype),
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=keep, **extra)
+        out = forward_on_cache(self.model, self.cache, input_ids, position_ids, allowed, write_at, kv_length, keep)
         features = None
         if self.capture is not None:
             features = self.capture.stacked(self.feature_layers)
@@ -171,7 +183,7 @@ class BatchRunner:
             attention_mask = torch.ones_like(input_ids)
         attention_mask = attention_mask.to(self.device).long()
         start = t - attention_mask.sum(dim=1)
-        slot = torch.arange(t, device=self.device)
+        slot = self.slot_ids[:t]
         if not torch.equal(attention_mask.bool(), slot[None, :] >= start[:, None]):
             raise ValueError("batched prompts must be left-padded: each attention_mask row is 0s then 1s "
                              "(tokenizer.padding_side = 'left')")
@@ -179,7 +191,7 @@ class BatchRunner:
             raise ValueError("every prompt needs at least one token")
         self.start, self.length = start, torch.zeros_like(start)
         positions = (slot[None, :] - start[:, None]).clamp_min(0)  # padding sits at position 0
-        keys = torch.arange(self.capacity, device=self.device)
+        keys = self.slot_ids
         features = []
         with attention_implementation(self.model, PREFILL_NAME):
             for c0 in range(0, t, self.prefill_chunk):
@@ -203,7 +215,7 @@ class BatchRunner:
         if w + n > self.scratch:
             raise RuntimeError(f"rows of up to {w} slots + a {n}-token tree exceed the KV buffers "
                                f"({self.capacity}); reset() with the full length first")
-        keys = torch.arange(self.capacity, device=self.device)
+        keys = self.slot_ids
         prefix = (keys[None, :] >= self.start[:, None]) & (keys[None, :] < self.length[:, None])  # (B, capacity)
         allowed = prefix.unsqueeze(1).expand(b, n, self.capacity).clone()
         allowed[:, :, w: w + n] = ancestors
@@ -220,8 +232,7 @@ class BatchRunner:
         m = int(counts.max())
         j = torch.arange(m, device=self.device)
         valid = j[None, :] < counts[:, None]
-        src = torch.stack([torch.nn.functional.pad(p.to(self.device), (0, m - p.shape[0])) for p in paths])
-        src = torch.where(valid, self.tree_at + src, self.scratch)
+        src = torch.where(valid, self.tree_at + pad_sequence(paths, batch_first=True).to(self.device), self.scratch)
         dst = torch.where(valid, self.length[:, None] + j, self.scratch)
         for keys, values in self.layers():
             copy_rows(keys, src, dst)

@@ -228,7 +228,10 @@ class SpeculativeGenerator:
     def warmup(self, max_length: int) -> dict[int, float]:
         """Size the KV buffers for sequences of up to `max_length` tokens and run one verify step of every shape
         this generator's drafter uses (compiling it when compile is on), then the drafter's own steps. Returns the
-        runner's {verify size: seconds of its first call} (empty for the eager runner)."""
+        runner's {verify size: seconds of its first call} (empty for the eager runner, and for a batch-only
+        drafter, whose batched steps run eagerly)."""
+        if self.batch_only:
+            return {}
         runner = self.runner
         runner.reserve(max_length)
         buckets = getattr(runner, "buckets", None)

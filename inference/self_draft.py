@@ -18,12 +18,11 @@ import torch
 import torch.nn as nn
 from transformers import StaticCache
 
-from drafthead.masks import to_additive
-
-from .attention import NAME as MATMUL_ATTENTION
+from .batch_runner import forward_on_cache, keep_cache_rows
 from .batch_tree import BatchTree
 from .sampling import SamplingParams, target_probs
 from .slots import SlotMap, read_rows, write_rows
+from .static_runner import static_cache
 
 
 class StreamingSelfDrafter:
@@ -59,8 +58,7 @@ class StreamingSelfDrafter:
         """Fresh draft buffers for the runner's rows, filled with the prompt's sinks and last `window` entries."""
         self.runner = runner
         b = runner.batch
-        self.cache = StaticCache(config=runner.config, max_cache_len=self.capacity)
-        self.cache.early_initialization(b, runner.kv_heads, runner.head_dim, runner.dtype, runner.device)
+        self.cache = static_cache(self.model, b, self.capacity)
         self.slot_pos = torch.full((b, self.capacity), -1, dtype=torch.long, device=runner.device)
         self._refresh(torch.zeros_like(runner.positions), runner.positions)
 
@@ -77,18 +75,6 @@ class StreamingSelfDrafter:
         self.slot_pos.scatter_(1, dst, torch.where(valid, positions, -1))
         self.slot_pos[:, self.dummy] = -1
 
-    def _step(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, slot: int) -> torch.Tensor:
-        """One target forward of tokens (B, 1) over the draft buffers, written at `slot`; logits (B, V)."""
-        for layer in self.cache.layers:
-            layer.cumulative_length.fill_(slot)
-        extra = {}
-        if self.model.config._attn_implementation == MATMUL_ATTENTION:
-            extra["drafthead_kv_length"] = torch.tensor(self.capacity)
-        out = self.model(input_ids=tokens, position_ids=positions,
-                         attention_mask=to_additive(allowed[:, None, None, :], self.runner.dtype),
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1, **extra)
-        return out.logits[:, -1]
-
     @torch.inference_mode()
     def propose(self, roots: torch.Tensor, params: SamplingParams,
                 generator: torch.Generator | None = None) -> BatchTree:
@@ -99,7 +85,9 @@ class StreamingSelfDrafter:
         for d in range(self.gamma):
             allowed = held.clone()
             allowed[:, self.scratch: self.scratch + d + 1] = True  # the chain so far, itself included
-            logits = self._step(tokens, (self.drafted_from + d)[:, None], allowed, self.scratch + d)
+            out = forward_on_cache(self.model, self.cache, tokens, (self.drafted_from + d)[:, None],
+                                   allowed[:, None, :], self.scratch + d, self.capacity, keep=1)
+            logits = out.logits[:, -1]  # (B, V)
             if params.do_sample:
                 q = target_probs(logits, params)  # (B, V)
                 tokens = torch.multinomial(q, 1, generator=generator)
@@ -114,7 +102,5 @@ class StreamingSelfDrafter:
         self._refresh(self.drafted_from, self.runner.positions)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, rows)
-            layer.values = layer.values.index_select(0, rows)
+        keep_cache_rows(self.cache, rows)
         self.slot_pos = self.slot_pos[rows]

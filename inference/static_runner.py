@@ -54,6 +54,18 @@ def buffer_capacity(need: int) -> int:
     return max(MIN_CAPACITY, -(-need // CAPACITY_STEP) * CAPACITY_STEP)
 
 
+def static_cache(model: nn.Module, batch: int, capacity: int) -> StaticCache:
+    """transformers' StaticCache for `batch` rows of `capacity` slots, allocated now in the model's dtype and
+    device (so a compiled step sees fixed buffer addresses from its first call)."""
+    config = model.config.get_text_config(decoder=True)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    ref = next(model.parameters())
+    cache = StaticCache(config=config, max_cache_len=capacity)
+    cache.early_initialization(batch, heads, head_dim, ref.dtype, ref.device)
+    return cache
+
+
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     """The smallest bucket that holds n tokens."""
     for b in buckets:
@@ -95,11 +107,7 @@ class StaticRunner:
         if need <= self.capacity:
             return
         capacity = buffer_capacity(need)
-        config = self.model.config.get_text_config(decoder=True)
-        self.cache = StaticCache(config=config, max_cache_len=capacity)
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.cache.early_initialization(1, heads, head_dim, self.dtype, self.device)
+        self.cache = static_cache(self.model, 1, capacity)
         self.capacity = capacity
         self.compile_s.clear()
         self._length = 0

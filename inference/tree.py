@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -96,13 +97,85 @@ class DraftTree:
     def build(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
               max_depth: int | None = None, scores: torch.Tensor | None = None) -> "DraftTree":
         """Tree from tokens (1, n), parents (n,) (-1 at the root), depths (n,) and an upper bound on the depth."""
-        n = parents.shape[0]
-        eye = torch.eye(n, dtype=torch.bool, device=parents.device)
-        up = parents.clamp_min(0)
-        anc = eye
-        for _ in range(int(depths.max()) if max_depth is None else max_depth):  # anc_{k+1}[i] = {i} | anc_k[parent(i)]
-            anc = eye | anc[up]
-        return DraftTree(tokens, parents, depths, anc, scores)
+        steps = int(depths.max()) if max_depth is None else max_depth
+        return DraftTree(tokens, parents, depths, ancestor_matrix(parents, steps), scores)
+
+
+def ancestor_matrix(parents: torch.Tensor, steps: int) -> torch.Tensor:
+    """parents (..., n), -1 at the root -> bool (..., n, n): j is i or an ancestor of i. `steps` >= the depth."""
+    n = parents.shape[-1]
+    eye = torch.eye(n, dtype=torch.bool, device=parents.device)
+    up = parents.clamp_min(0).unsqueeze(-1).expand(*parents.shape, n)
+    anc = eye.expand(*parents.shape[:-1], n, n)
+    for _ in range(steps):  # anc_{k+1}[i] = {i} | anc_k[parent(i)]
+        anc = eye | anc.gather(-2, up)
+    return anc
+
+
+def expand_tree(scores: torch.Tensor, tokens: torch.Tensor, last_hidden: torch.Tensor, depth: int,
+                step: Callable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """EAGLE-2 expansion for B rows at once. scores, tokens (B, k): depth 1 (cumulative log-probs, target ids);
+    last_hidden (B, 1, H): the head output they came from. At every further depth d the k best frontier nodes of
+    each row go through the head in ONE forward: step(d, f, frontier_tokens (B, k), parent_hidden (B, k, H),
+    rows (B, k, f+k)) with `rows` saying which of the f drafted nodes fed so far, and of this depth's k, each node
+    attends (its fed ancestors and itself); it returns (out (B, k, H), child log-probs (B, k, k'), child target ids
+    (B, k, k')). Returns every candidate's cumulative log-prob, token, parent candidate (-1: the root) and depth,
+    each (B, N). A child's score is never above its parent's."""
+    b, k = scores.shape
+    device = scores.device
+    cand_scores, cand_tokens = [scores], [tokens]
+    cand_parents = [torch.full((b, k), -1, dtype=torch.long, device=device)]
+    cand_depths = [torch.ones(b, k, dtype=torch.long, device=device)]
+    frontier = torch.arange(k, device=device).expand(b, k)  # candidate ids of the nodes to expand
+    frontier_scores, frontier_tokens = scores, tokens
+    parent_hidden = last_hidden.expand(b, k, -1).contiguous()  # contiguous: a compiled step guards on strides
+    parent_fed = None  # (B, k) each frontier node's parent among the fed nodes (None at depth 1)
+    fed_allowed = torch.zeros(b, 0, 0, dtype=torch.bool, device=device)  # (B, f, f) ancestry among fed nodes
+    eye = torch.eye(k, dtype=torch.bool, device=device).expand(b, k, k)
+    num = k
+    for d in range(1, depth):
+        f = fed_allowed.shape[1]
+        rows = (torch.zeros(b, k, f, dtype=torch.bool, device=device) if parent_fed is None
+                else fed_allowed.gather(1, parent_fed[:, :, None].expand(-1, -1, f)))
+        rows = torch.cat([rows, eye], dim=2)  # (B, k, f+k)
+        fed_allowed = torch.cat([torch.cat([fed_allowed, torch.zeros(b, f, k, dtype=torch.bool, device=device)],
+                                           dim=2), rows], dim=1)
+        out, logp, child = step(d, f, frontier_tokens, parent_hidden, rows)
+        kk = logp.shape[2]
+        child_scores = (frontier_scores[:, :, None] + logp).flatten(1)  # (B, k·k')
+        cand_scores.append(child_scores)
+        cand_tokens.append(child.flatten(1))
+        cand_parents.append(frontier.repeat_interleave(kk, dim=1))
+        cand_depths.append(torch.full_like(child_scores, d + 1, dtype=torch.long))
+        best = torch.topk(child_scores, k, dim=1).indices  # (B, k) the next frontier, within this depth's block
+        owner = best // kk  # each new frontier node's parent among this depth's fed nodes
+        frontier = num + best
+        frontier_scores = child_scores.gather(1, best)
+        frontier_tokens = cand_tokens[-1].gather(1, best)
+        parent_hidden = out.gather(1, owner[:, :, None].expand(-1, -1, out.shape[-1]))
+        parent_fed = f + owner
+        num += child_scores.shape[1]
+    return tuple(torch.cat(c, dim=1) for c in (cand_scores, cand_tokens, cand_parents, cand_depths))
+
+
+def select_tree(roots: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                depths: torch.Tensor, keep: int, max_depth: int) -> tuple[torch.Tensor, ...]:
+    """Each row keeps its best `keep` candidates of expand_tree (stable sort: parents before children on ties),
+    under its root (B,). Returns the trees' tokens (B, n), parents (B, n), depths (B, n), ancestors (B, n, n) and
+    cumulative scores (B, n), root first."""
+    b, num = scores.shape
+    device = scores.device
+    keep = min(keep, num)
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :keep]
+    chosen = torch.sort(order, dim=1).values  # (B, keep) candidate order: parents before children
+    where = torch.full((b, num), -1, dtype=torch.long, device=device)
+    where.scatter_(1, chosen, torch.arange(1, keep + 1, device=device).expand(b, keep))
+    par = parents.gather(1, chosen)
+    column = torch.zeros(b, 1, dtype=torch.long, device=device)
+    tree_parents = torch.cat([column - 1, torch.where(par < 0, 0, where.gather(1, par.clamp_min(0)))], dim=1)
+    return (torch.cat([roots.view(b, 1), tokens.gather(1, chosen)], dim=1), tree_parents,
+            torch.cat([column, depths.gather(1, chosen)], dim=1), ancestor_matrix(tree_parents, max_depth),
+            torch.cat([column.to(scores.dtype), scores.gather(1, chosen)], dim=1))
 
 
 class TreeDrafter:
@@ -181,63 +254,19 @@ class TreeDrafter:
     @torch.inference_mode()
     def draft(self, root: torch.Tensor) -> DraftTree:
         """root: (1,) the last emitted token. Returns the verification tree (root + up to total_tokens nodes)."""
-        k, device = self.opt.top_k, root.device
         stable = self.stable  # the root sits at position `stable`
-        scores, tokens = self.first_scores, self.first_tokens  # (1, k): depth 1, drafted by feed()
-        k = scores.shape[1]
-        cand_scores, cand_tokens = [scores[0]], [tokens[0]]
-        cand_parents = [torch.full((k,), -1, dtype=torch.long, device=device)]
-        cand_depths = [torch.ones(k, dtype=torch.long, device=device)]
-        frontier = torch.arange(k, device=device)  # candidate ids of the nodes to expand
-        frontier_scores = scores[0]  # (k,)
-        frontier_tokens = tokens[0]  # (k,)
-        parent_hidden = self.last_hidden.expand(1, k, -1).contiguous()  # (1, k, H)
-        parent_fed = None  # (k,) index of each frontier node's parent among fed nodes (None at depth 1)
-        fed_allowed = torch.zeros(0, 0, dtype=torch.bool, device=device)  # (f, f) ancestry among fed nodes
-        num_cands = k
-        for d in range(1, self.opt.depth):
-            # feed the frontier (depth d) at slots stable+f.., position stable-1+d; it attends the stable
-            # prefix + its fed ancestors + itself
-            f = fed_allowed.shape[0]
-            eye = torch.eye(k, dtype=torch.bool, device=device)
-            rows = torch.zeros(k, f, dtype=torch.bool, device=device) if parent_fed is None else fed_allowed[parent_fed]
-            rows = torch.cat([rows, eye], dim=1)  # (k, f+k)
-            fed_allowed = torch.cat([torch.cat([fed_allowed, torch.zeros(f, k, dtype=torch.bool, device=device)], 1),
-                                     rows], dim=0)
+        device = root.device
+
+        def step(d, f, frontier_tokens, parent_hidden, rows):
+            # the frontier (depth d) at slots stable+f.., position stable-1+d, attending the stable prefix + rows
+            k = frontier_tokens.shape[1]
             positions = torch.full((1, k), stable - 1 + d, dtype=torch.long, device=device)
             slots = torch.arange(stable + f, stable + f + k, device=device)
-            out, logp, child_tokens = self.runner.expand(frontier_tokens.unsqueeze(0), parent_hidden, positions,
-                                                         self.runner.mask(rows, stable), slots, k)  # (k, k)
-            child_scores = (frontier_scores[:, None] + logp).flatten()  # (k·k,)
-            cand_scores.append(child_scores)
-            cand_tokens.append(child_tokens.flatten())
-            cand_parents.append(frontier.repeat_interleave(logp.shape[1]))
-            cand_depths.append(torch.full_like(child_scores, d + 1, dtype=torch.long))
-            best = torch.topk(child_scores, k).indices  # (k,) new frontier, within this depth's block
-            owner = best // logp.shape[1]  # which fed node is each new frontier node's parent
-            frontier = num_cands + best
-            frontier_scores = child_scores[best]
-            frontier_tokens = cand_tokens[-1][best]
-            parent_hidden = out[:, owner]
-            parent_fed = f + owner
-            num_cands += child_scores.shape[0]
-        return self._select(root, torch.cat(cand_scores), torch.cat(cand_tokens), torch.cat(cand_parents),
-                            torch.cat(cand_depths))
+            out, logp, child = self.runner.expand(frontier_tokens, parent_hidden, positions,
+                                                  self.runner.mask(rows[0], stable), slots, k)
+            return out, logp[None], child[None]
 
-    def _select(self, root, scores, tokens, parents, depths) -> DraftTree:
-        """Keep the best total_tokens candidates (stable sort: parents before children on ties)."""
-        keep = min(self.opt.total_tokens, scores.shape[0])
-        order = torch.sort(scores, descending=True, stable=True).indices[:keep]
-        chosen = torch.sort(order).values  # candidate order: parents before children
-        where = torch.full_like(scores, -1, dtype=torch.long)
-        where[chosen] = torch.arange(1, keep + 1, device=scores.device)
-        par = parents[chosen]
-        tree_parents = torch.where(par < 0, torch.zeros_like(par), where[par.clamp_min(0)])
-        minus1 = torch.full((1,), -1, dtype=torch.long, device=scores.device)
-        return DraftTree.build(
-            torch.cat([root.view(1), tokens[chosen]]).unsqueeze(0),
-            torch.cat([minus1, tree_parents]),
-            torch.cat([torch.zeros(1, dtype=torch.long, device=scores.device), depths[chosen]]),
-            max_depth=self.opt.depth,
-            scores=torch.cat([torch.zeros(1, dtype=scores.dtype, device=scores.device), scores[chosen]]),
-        )
+        candidates = expand_tree(self.first_scores, self.first_tokens, self.last_hidden, self.opt.depth, step)
+        tokens, parents, depths, ancestors, scores = select_tree(root, *candidates, self.opt.total_tokens,
+                                                                 self.opt.depth)
+        return DraftTree(tokens, parents[0], depths[0], ancestors[0], scores[0])
