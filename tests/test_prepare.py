@@ -118,7 +118,7 @@ def test_prepare_end_to_end(tmp_path, tiny_target_dir):
 
 
 def test_regenerate_replaces_assistant_turns_and_resumes(tmp_path, tiny_target_dir):
-    from train.regenerate import generate_replies, regenerate
+    from train.regenerate import generate_replies, regenerate, replier
     from train.target import load_target, load_tokenizer
 
     path = tmp_path / "convs.jsonl"
@@ -136,9 +136,14 @@ def test_regenerate_replaces_assistant_turns_and_resumes(tmp_path, tiny_target_d
     assert [m["role"] for m in rows[0]["messages"]] == ["user", "assistant", "user", "assistant"]
     assert all(m["content"] != "old" for row in rows for m in row["messages"])
 
-    # the first reply equals the target's own greedy reply to that prompt alone (batched + left-padded above)
+    # the first reply (the engine's batched, left-padded decoding above) equals transformers' own greedy reply to
+    # that prompt alone, and the engine's reply alone
     model, tok = load_target(tiny_target_dir, "cpu", "float32"), load_tokenizer(tiny_target_dir)
-    alone, _ = generate_replies(model, tok, [rows[1]["messages"][:1]], max_new_tokens=5)
+    ids = tok.apply_chat_template(rows[1]["messages"][:1], add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)["input_ids"]
+    hf = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert rows[1]["messages"][1]["content"] == tok.decode(hf[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    alone, _ = generate_replies(replier(model, tok), tok, [rows[1]["messages"][:1]], max_new_tokens=5)
     assert rows[1]["messages"][1]["content"] == alone[0]
     assert read_conversations(out)[2]["messages"] == rows[2]["messages"]  # usable as data.conversations
 

@@ -49,6 +49,18 @@ def normalize(record: Any, where: str, stats: Counter | None = None) -> dict:
     return {"id": str(rid) if rid is not None else where, "messages": messages}
 
 
+def cut_turns(conversation: dict, max_assistant_turns: int | None) -> dict:
+    """The conversation up to and including its N-th assistant turn (all of it when N is None)."""
+    if max_assistant_turns is None:
+        return conversation
+    seen = 0
+    for i, message in enumerate(conversation["messages"]):
+        seen += message["role"] == "assistant"
+        if seen == max_assistant_turns:
+            return {**conversation, "messages": conversation["messages"][: i + 1]}
+    return conversation
+
+
 def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -75,9 +87,11 @@ def _dataset_records(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def read_conversations(
-    path: str | Path, skip_bad: bool = False, limit: int | None = None, stats: Counter | None = None
+    path: str | Path, skip_bad: bool = False, limit: int | None = None, stats: Counter | None = None,
+    max_assistant_turns: int | None = None,
 ) -> list[dict]:
-    """All conversations of a JSONL file or `datasets` folder (the first `limit` if given), normalised."""
+    """All conversations of a JSONL file or `datasets` folder (the first `limit` if given), normalised; with
+    max_assistant_turns each is cut after its N-th assistant turn (1 = first turns only)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"conversations {path} not found")
@@ -90,7 +104,7 @@ def read_conversations(
         try:
             if isinstance(raw, BadRecord):
                 raise raw
-            out.append(normalize(raw, where, stats))
+            out.append(cut_turns(normalize(raw, where, stats), max_assistant_turns))
         except BadRecord:
             if not skip_bad:
                 raise

@@ -95,7 +95,8 @@ def prepare(recipe: Recipe | dict) -> dict:
     stats: Counter = Counter()
     try:
         conversations = read_conversations(data_cfg.conversations, skip_bad=data_cfg.skip_bad,
-                                           limit=data_cfg.max_conversations, stats=stats)
+                                           limit=data_cfg.max_conversations, stats=stats,
+                                           max_assistant_turns=data_cfg.max_assistant_turns)
     except BadRecord as e:
         raise SystemExit(f"error: {e}\n(set data.skip_bad=true to skip and count malformed records)")
     if not conversations:

@@ -36,7 +36,7 @@ class RegenerateSection:
     max_new_tokens: int = 256
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
-    batch_size: int = 16
+    batch_size: int = 32  # conversations decoded together (rows of one forward)
     chunk_conversations: int = 256  # resumable unit
     seed: int = 0
 
@@ -49,6 +49,7 @@ class DataSection:
     prepared_dir: str = "${run_dir}/prepared"
     max_length: int = 1024
     max_conversations: int | None = None  # None = all
+    max_assistant_turns: int | None = None  # cut each conversation after its N-th assistant turn (None = keep all)
     validation_fraction: float = 0.02  # by conversation id root
     skip_bad: bool = False
     seed: int = 0
@@ -83,6 +84,7 @@ class HeadSection:
     kind: str = "eagle3"  # eagle3 | eagle1
     draft_vocab_size: int | None = 32000  # capped at the target's vocabulary; None = the whole vocabulary
     aux_layer_ids: list[int] | None = None  # None = serving engines' default (outputs of layers 1, N/2-1, N-4)
+    init_from: str | None = None  # a head folder (native or exported) to fine-tune; its aux layers and vocab are kept
 
 
 @dataclass

@@ -3,8 +3,10 @@
     python -m train.regenerate configs/smollm2-135m-eagle3.yaml [data.regenerate.temperature=0.7 ...]
 
 A draft head learns the target's distribution best from text the target itself wrote. Every assistant turn is
-replaced, turn by turn, by the target's reply to the conversation so far (the user turns are kept). Generation is
-batched and left-padded, greedy (temperature 0) or sampled. Conversations are processed in chunks; each
+replaced, turn by turn, by the target's reply to the conversation so far (the user turns are kept); with
+data.max_assistant_turns=1 only first turns are kept and regenerated. Generation runs on the decoding engine's batched
+runner (inference.SpeculativeGenerator, plain decoding: static KV buffers, one forward per token for the whole
+batch), left-padded, greedy (temperature 0) or sampled. Conversations are processed in chunks; each
 finished chunk is written atomically to <output>.chunks/chunk-NNNNN-of-MMMMM.jsonl and skipped on re-run, and
 the chunks are joined into <output> (OpenAI `messages` JSONL, usable as data.conversations) when all are done.
 A conversation stops at the first assistant turn whose prompt + max_new_tokens would exceed data.max_length.
@@ -26,25 +28,37 @@ from train.recipe import Recipe, RegenerateSection, parse_recipe, recipe_main
 from train.target import load_target, load_tokenizer
 
 
-@torch.no_grad()
-def generate_replies(model: Any, tokenizer: Any, prompts: list[list[dict]], max_new_tokens: int,
-                     temperature: float = 0.0, top_p: float = 1.0) -> tuple[list[str], int]:
-    """The target's replies to a batch of conversations (each ending with a user turn); also the new-token count."""
+def replier(model: Any, tokenizer: Any) -> Any:
+    """The decoding engine's plain batched decoding of `model` (inference.SpeculativeGenerator, tree="none"):
+    preallocated KV buffers written in place, every row in one forward per token, finished rows leave the batch.
+    Greedy output equals transformers' generate token for token (fp32); it is several times cheaper per token."""
+    from inference import SpeculativeGenerator  # the engine generates the data; inference never imports train
+
+    return SpeculativeGenerator(model, None, tokenizer, tree="none")
+
+
+@torch.inference_mode()
+def generate_replies(engine: Any, tokenizer: Any, prompts: list[list[dict]], max_new_tokens: int,
+                     temperature: float = 0.0, top_p: float = 1.0,
+                     generator: torch.Generator | None = None) -> tuple[list[str], int]:
+    """The target's replies to a batch of conversations (each ending with a user turn); also the new-token count.
+    `engine`: replier(model, tokenizer)."""
     texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
     tokenizer.padding_side = "left"
-    enc = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(model.device)
+    enc = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(engine.device)
     sample = temperature > 0
-    out = model.generate(
-        **enc, max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature if sample else None,
-        top_p=top_p if sample else None, top_k=None, pad_token_id=tokenizer.pad_token_id,
-    )
-    new = out[:, enc["input_ids"].shape[1]:]  # (B, new)
+    out = engine.generate(enc["input_ids"], attention_mask=enc["attention_mask"], max_new_tokens=max_new_tokens,
+                          do_sample=sample, temperature=temperature if sample else None,
+                          top_p=top_p if sample else None, generator=generator)
+    width = enc["input_ids"].shape[1]
+    lengths = out.stats.rows_new_tokens or [out.stats.new_tokens]  # a batch of one runs the single-row path
+    new = [out.sequences[i, width: width + n] for i, n in enumerate(lengths)]
     replies = tokenizer.batch_decode(new, skip_special_tokens=True)
-    return [r.strip() for r in replies], int((new != tokenizer.pad_token_id).sum())
+    return [r.strip() for r in replies], sum(lengths)
 
 
-def regenerate_chunk(model: Any, tokenizer: Any, conversations: list[dict], cfg: RegenerateSection,
-                     max_length: int, bar: tqdm) -> list[dict]:
+def regenerate_chunk(engine: Any, tokenizer: Any, conversations: list[dict], cfg: RegenerateSection,
+                     max_length: int, bar: tqdm, generator: torch.Generator | None = None) -> list[dict]:
     """Replace every assistant turn of `conversations`, turn by turn across the chunk, in length-sorted batches."""
     done = [[] for _ in conversations]  # regenerated message lists so far
     cursor = [0] * len(conversations)  # index of the next original message to consume
@@ -69,8 +83,8 @@ def regenerate_chunk(model: Any, tokenizer: Any, conversations: list[dict], cfg:
         waiting.sort()
         for b in range(0, len(waiting), cfg.batch_size):
             batch = [c for _, c in waiting[b : b + cfg.batch_size]]
-            replies, n = generate_replies(model, tokenizer, [done[c] for c in batch], cfg.max_new_tokens,
-                                          cfg.temperature, cfg.top_p)
+            replies, n = generate_replies(engine, tokenizer, [done[c] for c in batch], cfg.max_new_tokens,
+                                          cfg.temperature, cfg.top_p, generator)
             for c, reply in zip(batch, replies):
                 done[c].append({"role": "assistant", "content": reply})
                 cursor[c] += 1
@@ -88,7 +102,8 @@ def regenerate(recipe: Recipe | dict) -> Path:
     output = Path(cfg.output or Path(recipe.run_dir) / "regenerated.jsonl")
     chunks_dir = output.with_name(output.name + ".chunks")
     conversations = read_conversations(data_cfg.conversations, skip_bad=data_cfg.skip_bad,
-                                       limit=data_cfg.max_conversations)
+                                       limit=data_cfg.max_conversations,
+                                       max_assistant_turns=data_cfg.max_assistant_turns)
     size = cfg.chunk_conversations
     chunks = [conversations[i : i + size] for i in range(0, len(conversations), size)]
     paths = [chunks_dir / f"chunk-{i:05d}-of-{len(chunks):05d}.jsonl" for i in range(len(chunks))]  # plan in the name
@@ -96,11 +111,11 @@ def regenerate(recipe: Recipe | dict) -> Path:
     print(f"{len(conversations)} conversations, {len(chunks)} chunks, {len(chunks) - len(todo)} already done")
     if todo:
         tokenizer = load_tokenizer(recipe.target)
-        model = load_target(recipe.target, device=recipe.device, dtype=recipe.dtype)
+        engine = replier(load_target(recipe.target, device=recipe.device, dtype=recipe.dtype), tokenizer)
         bar = tqdm(total=sum(len(chunks[i]) for i in todo), unit="conv", desc="regenerate")
         for i in todo:
-            torch.manual_seed(cfg.seed + i)  # sampled runs are reproducible chunk by chunk
-            rows = regenerate_chunk(model, tokenizer, chunks[i], cfg, data_cfg.max_length, bar)
+            generator = torch.Generator(engine.device).manual_seed(cfg.seed + i)  # reproducible chunk by chunk
+            rows = regenerate_chunk(engine, tokenizer, chunks[i], cfg, data_cfg.max_length, bar, generator)
             atomic_write_text(paths[i], "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         bar.close()
     joined = "".join(p.read_text(encoding="utf-8") for p in paths)

@@ -22,6 +22,7 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, set_seed
 
 from drafthead import DraftHead, HeadConfig
+from drafthead.checkpoint import load_head
 from drafthead.config import default_aux_layer_ids
 from drafthead.utils import atomic_write_json, mixed_precision
 from drafthead.vocab import build_draft_vocab, full_vocab, token_frequencies
@@ -100,8 +101,11 @@ def _check_features(recipe: Recipe, kind: str, aux: list[int], features: Feature
 
 
 def build_head(recipe: Recipe, target, train_set) -> DraftHead:
-    """Head shaped after the target, aux ids checked against the features, draft vocab from the train tokens."""
+    """Head shaped after the target, aux ids checked against the features, draft vocab from the train tokens;
+    or, with head.init_from, the weights, aux layers and draft vocabulary of an existing head (fine-tuning)."""
     kind = recipe.head.kind
+    if recipe.head.init_from:
+        return _head_from(recipe, target, train_set)
     text = target.config.get_text_config()
     aux = recipe.head.aux_layer_ids or default_aux_layer_ids(text.num_hidden_layers)
     if isinstance(train_set, FeatureDataset):
@@ -118,6 +122,22 @@ def build_head(recipe: Recipe, target, train_set) -> DraftHead:
             d2t, t2d = full_vocab(vocab_size)
         head.d2t.copy_(d2t)
         head.t2d.copy_(t2d)
+    return head
+
+
+def _head_from(recipe: Recipe, target, train_set) -> DraftHead:
+    """head.init_from: a native or exported head folder made for this target and of the recipe's head kind. Its
+    aux layers and draft vocabulary are kept (the features must hold those layers); the weights load in fp32."""
+    path = Path(recipe.head.init_from).expanduser()
+    head = load_head(path, target=target, kind=recipe.head.kind, device="cpu", dtype=torch.float32)
+    aux = list(head.config.aux_layer_ids)
+    if recipe.head.aux_layer_ids is not None and list(recipe.head.aux_layer_ids) != aux:
+        raise ValueError(f"head.init_from={path} reads aux layers {aux}, the recipe sets head.aux_layer_ids="
+                         f"{list(recipe.head.aux_layer_ids)}: drop head.aux_layer_ids or make them agree")
+    if isinstance(train_set, FeatureDataset):
+        _check_features(recipe, head.config.kind, aux, train_set)
+    print(f"[train] head initialised from {path} ({head.config.kind}, aux layers {aux}, "
+          f"draft vocab {head.config.draft_vocab_size})")
     return head
 
 
