@@ -58,3 +58,16 @@ def test_max_assistant_turns_cuts_after_the_nth_reply(tmp_path):
     assert [m["content"] for m in untouched["messages"]] == ["system0", "human1"]  # no reply: kept as it is
     assert len(read_conversations(path, max_assistant_turns=2)[0]["messages"]) == 5
     assert len(read_conversations(path)[0]["messages"]) == 5
+
+
+def test_every_shipped_recipe_loads():
+    """configs/*.yaml (the default, the GPU recipe, the CPU self-distillation recipe) parse with every key known."""
+    from train.recipe import load_recipe
+
+    recipes = sorted((REPO / "configs").glob("*.yaml"))
+    assert len(recipes) >= 3
+    for path in recipes:
+        recipe = load_recipe(path)
+        assert recipe.train.max_steps or recipe.train.epochs, path
+    gpu = load_recipe(REPO / "configs" / "smollm2-135m-eagle3-gpu.yaml")
+    assert gpu.device == "cuda" and gpu.train.online and gpu.train.batch_tokens == 16384

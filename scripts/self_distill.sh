@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Self-distillation vs. ShareGPT fine-tune of an existing head, on the same first turns and token budget (issue 14).
+#
+#   scripts/self_distill.sh HEAD [RECIPE]        # HEAD: the head to start from (native or exported folder)
+#
+# 1. the target's greedy answers to the recipe's ShareGPT first turns (train.regenerate, resumable);
+# 2. the same conversations with their original answers (only those the regeneration kept, so both arms hold the
+#    same prompts); both prepared with the same template and mask;
+# 3. two fine-tunes from HEAD with identical train settings (online features, same steps and batch tokens);
+# 4. tau of HEAD and both fine-tunes with the GPU default tree on all 80 MT-bench first turns (scripts/tau_table.py).
+# Every stage skips what is already done (re-run after a kill); results land in RUN_DIR/tau_table.json.
+set -euo pipefail
+HEAD=${1:?usage: scripts/self_distill.sh HEAD [RECIPE]}
+RECIPE=${2:-configs/smollm2-135m-selfdistill-cpu.yaml}
+PY=${PYTHON:-.venv/bin/python}
+RUN=$($PY -c "import sys; from train.recipe import load_recipe; print(load_recipe(sys.argv[1]).run_dir)" "$RECIPE")
+TCMALLOC=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
+[ -e "$TCMALLOC" ] && export LD_PRELOAD=$TCMALLOC
+mkdir -p "$RUN"
+
+$PY -m train.regenerate "$RECIPE"
+$PY - "$RECIPE" "$RUN" <<'PY'
+import json, sys
+from train.conversations import read_conversations
+from train.recipe import load_recipe
+recipe, run = load_recipe(sys.argv[1]), sys.argv[2]
+kept = {json.loads(line)["id"] for line in open(f"{run}/regenerated.jsonl")}
+convs = read_conversations(recipe.data.conversations, limit=recipe.data.max_conversations,
+                           max_assistant_turns=recipe.data.max_assistant_turns)
+with open(f"{run}/original.jsonl.tmp", "w") as f:
+    for c in convs:
+        if c["id"] in kept:
+            f.write(json.dumps(c, ensure_ascii=False) + "\n")
+import os; os.replace(f"{run}/original.jsonl.tmp", f"{run}/original.jsonl")
+print(f"{len(kept)} conversations in both arms")
+PY
+for arm in self original; do
+  data="$RUN/regenerated.jsonl"; [ "$arm" = original ] && data="$RUN/original.jsonl"
+  [ -d "$RUN/prepared-$arm" ] || $PY -m train.prepare "$RECIPE" data.conversations="$data" \
+      data.prepared_dir="$RUN/prepared-$arm"
+  $PY -m train "$RECIPE" head.init_from="$HEAD" data.prepared_dir="$RUN/prepared-$arm" \
+      train.output_dir="$RUN/train-$arm"
+done
+$PY scripts/tau_table.py --heads start="$HEAD" self="$RUN/train-self/final" original="$RUN/train-original/final" \
+    --tree gpu --num-prompts 80 --max-new-tokens 128 --out "$RUN/tau_table.json"
