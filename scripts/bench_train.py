@@ -1,13 +1,17 @@
-"""Training throughput (tokens/s) and peak memory (RSS) of the default recipe's head, 1 and 2 CPU processes.
+"""Training throughput (tokens/s), peak memory and data/sync overhead of the default recipe's head, on CPU or CUDA.
 
-    python scripts/bench_train.py --out runs/bench_train.json [--seq-len 1024 --steps 4 --sequences 8]
+    python scripts/bench_train.py --out runs/bench_train.json [--device cpu|cuda --processes 1,2 --seq-len 1024
+                                  --steps 4 --sequences 8]
 
 Uses the real target (SmolLM2-135M-Instruct, for the head's shape, embedding and output layer) and a small
 SYNTHETIC feature folder (random bf16 hidden states of the right widths, random tokens), so it measures the
 trainer's cost, not learning. Every run: EAGLE-3, draft vocab and max_length from the recipe, ttt_steps from
 the recipe, bf16, batch_size 1 (one sequence of --seq-len tokens per micro-batch and rank), grad_accum 1.
-The 2-process run is DeepSpeed ZeRO-2 through accelerate on gloo. tokens/s is the median over the steps after
-the first (all ranks together); peak RSS is the largest rank's.
+The multi-process run is DeepSpeed ZeRO-2 through accelerate (gloo on CPU, NCCL on CUDA). Everything is read from
+the trainer's debug report (ranks/rank-<r>.json), over the steps after the first: tokens/s is the median of all
+ranks' tokens over the slowest rank's step time; overhead_fraction is the share of step time outside the timed
+forward, backward and optimizer parts (data loading, host syncs, logging; device-synchronised timers); peak RSS and
+(on CUDA) peak allocated GPU memory are the largest rank's.
 """
 
 from __future__ import annotations
@@ -52,11 +56,19 @@ def run(cmd: list[str], env: dict) -> None:
 def measure(output_dir: Path) -> dict:
     log = [json.loads(line) for line in (output_dir / "log.jsonl").read_text().splitlines() if line.strip()]
     ranks = [json.loads(p.read_text()) for p in sorted((output_dir / "ranks").glob("rank-*.json"))]
-    rates = [r["tokens_per_s"] for r in log[1:]] or [log[0]["tokens_per_s"]]
-    return {"tokens_per_s": statistics.median(rates), "tokens_per_step": log[-1]["tokens"],
-            "seconds_per_step": log[-1]["tokens"] / statistics.median(rates),
-            "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks), "engine": ranks[0]["engine"],
-            "world_size": ranks[0]["world_size"], "losses": [r["loss"] for r in log]}
+    steps = list(zip(*(r["steps"] for r in ranks)))[1:] or list(zip(*(r["steps"] for r in ranks)))  # per step, ranks
+    seconds = [max(s["seconds"] for s in step) for step in steps]
+    tokens = [sum(s["tokens"] for s in step) for step in steps]
+    timed = sum(s["forward"] + s["backward"] + s["optimizer"] for step in steps for s in step)
+    result = {"tokens_per_s": statistics.median(t / s for t, s in zip(tokens, seconds)),
+              "tokens_per_step": tokens[-1], "seconds_per_step": statistics.median(seconds),
+              "overhead_fraction": 1 - timed / sum(s["seconds"] for step in steps for s in step),
+              "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks), "engine": ranks[0]["engine"],
+              "world_size": ranks[0]["world_size"], "device": ranks[0]["device"],
+              "losses": {r["step"]: r["loss"] for r in log}}
+    if "peak_cuda_mb" in ranks[0]:
+        result["peak_cuda_mb"] = max(r["peak_cuda_mb"] for r in ranks)
+    return result
 
 
 def main() -> None:
@@ -68,6 +80,8 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=8)
     parser.add_argument("--processes", default="1,2")
     parser.add_argument("--precision", default="bf16", help="bf16 | fp32 (CPUs without native bf16: fp32 is faster)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"],
+                        help="cuda: one GPU per process (default when one is visible)")
     args = parser.parse_args()
 
     sys.path.insert(0, str(REPO))
@@ -82,12 +96,18 @@ def main() -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
     for key in ("ACCELERATE_USE_CPU", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
         env.pop(key, None)
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # accelerate would otherwise pick a GPU
+    elif not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device visible")
     tcmalloc = next((p for p in TCMALLOC if p.exists()), None)
     if tcmalloc:
         env["LD_PRELOAD"] = str(tcmalloc)
     results = {"target": recipe.target, "seq_len": seq_len, "steps": args.steps,
                "draft_vocab_size": recipe.head.draft_vocab_size, "ttt_steps": recipe.train.ttt_steps,
-               "mixed_precision": args.precision, "cpu_count": os.cpu_count(), "tcmalloc": bool(tcmalloc), "runs": {}}
+               "mixed_precision": args.precision, "device": args.device, "cpu_count": os.cpu_count(),
+               "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None, "tcmalloc": bool(tcmalloc),
+               "runs": {}}
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
         tmp = Path(tmp)
         synthetic_features(tmp / "features", recipe.target, aux, cfg.hidden_size, cfg.vocab_size,
@@ -97,13 +117,13 @@ def main() -> None:
             overrides = [f"features.dir={tmp / 'features'}", f"train.output_dir={out}", f"train.max_steps={args.steps}",
                          "train.batch_size=1", "train.grad_accum=1", f"train.mixed_precision={args.precision}",
                          f"train.max_length={seq_len}", "train.save_every=1000000", "train.eval_every=1000000",
-                         "train.warmup_steps=1", "train.debug_report=true"]  # ranks/*.json: peak RSS
+                         "train.warmup_steps=1", "train.debug_report=true"]  # ranks/*.json: step times, memory
             if nproc == 1:
                 cmd = [sys.executable, "-m", "train", args.recipe, *overrides]
             else:
                 cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-                       "configs/accelerate/cpu_zero2.yaml", "--num_processes", str(nproc), "-m", "train",
-                       args.recipe, *overrides]
+                       f"configs/accelerate/{'gpu' if args.device == 'cuda' else 'cpu'}_zero2.yaml", "--num_processes",
+                       str(nproc), "-m", "train", args.recipe, *overrides]
             run(cmd, {**env, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))})
             results["runs"][f"{nproc}proc"] = measure(out)
             print(json.dumps({f"{nproc}proc": results["runs"][f"{nproc}proc"]}), flush=True)

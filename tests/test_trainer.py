@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -65,7 +66,7 @@ def make_run(tmp: Path, kind: str = "eagle3", n_train: int = 32, n_val: int = 8,
         "train": {"output_dir": str(tmp / "out"), "max_steps": 20, "save_every": 10, "eval_every": 10,
                   "batch_size": 4, "grad_accum": 1, "lr": 3e-3, "warmup_steps": 2, "weight_decay": 0.0,
                   "max_grad_norm": 1.0, "ttt_steps": 3, "ttt_decay": 0.8, "online": False, "seed": 0,
-                  "mixed_precision": "fp32", "max_length": 64, **train},
+                  "mixed_precision": "fp32", "max_length": 64, "log_every": 1, **train},
     }
     path = tmp / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
@@ -224,3 +225,51 @@ def test_tau_counts_greedy_chains():
     stats = step_statistics({"preds": preds_bad, "targets": targets_bad, "valid": valid}, x)
     assert stats["accepted"].item() == 3 + 1 + 2 + 1
     assert stats["correct"].tolist() == [4, 3, 2]
+
+
+def test_loader_resume_exact(tmp_path):
+    """DataLoader (2 workers) + log_every: 3 steps then a resume to 8 read the batches and reach the parameters
+    of one uninterrupted 8-step run; log records every 3 steps and at the last."""
+    common = dict(n_train=32, n_val=8, max_steps=8, save_every=100, eval_every=100, batch_size=2, grad_accum=2,
+                  min_lr_ratio=1.0, num_workers=2, log_every=3, debug_report=True)  # constant lr after warmup
+    recipe = make_run(tmp_path, **common)
+    run_train(recipe)
+    out = tmp_path / "split"
+    run_train(recipe, f"train.output_dir={out}", "train.max_steps=3")
+    first = json.loads((out / "ranks" / "rank-0.json").read_text())
+    proc = run_train(recipe, f"train.output_dir={out}")
+    assert "resumed from" in proc.stdout + proc.stderr
+    second = json.loads((out / "ranks" / "rank-0.json").read_text())
+    whole = json.loads((tmp_path / "out" / "ranks" / "rank-0.json").read_text())
+    assert first["seen"] + second["seen"] == whole["seen"] and len(whole["seen"]) == 16
+    a, b = head_tensors(tmp_path / "out" / "final"), head_tensors(out / "final")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0, msg=name)
+    log_a, log_b = read_log(tmp_path / "out"), read_log(out)
+    assert [r["step"] for r in log_a] == [r["step"] for r in log_b] == [3, 6, 8]
+    for ra, rb in zip(log_a, log_b):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-6) and rb["tokens"] == ra["tokens"]
+    assert all(step["forward"] > 0 and step["seconds"] >= step["forward"] + step["backward"]
+               for step in whole["steps"])
+
+
+def test_step_plan_redeals_across_world_sizes():
+    """A position taken with W ranks, continued with W' ranks: the global micro-batch order goes on unchanged."""
+    from train.loader import Position, StepPlan
+
+    lengths = [int(x) for x in torch.randint(5, 60, (50,), generator=torch.Generator().manual_seed(2))]
+    plan = lambda rank, world: StepPlan(lengths, 1, 2, None, None, 2, rank, world)  # noqa: E731
+    order = plan(0, 1).epoch(0)  # 25 global micro-batches; W ranks x grad_accum 2 per step
+
+    def global_order(world: int, start: Position, steps: int) -> tuple[list[list[int]], Position]:
+        runs = [list(itertools.islice(plan(r, world).steps(start), steps)) for r in range(world)]
+        seen = [b for s in range(steps) for m in range(2) for r in range(world) for b in [runs[r][s].group[m]]]
+        return seen, runs[0][-1].after
+
+    seen2, pos = global_order(2, Position(), 3)  # 12 batches
+    assert pos == Position(0, 12)
+    seen1, pos = global_order(1, pos, 6)  # 12 more: the epoch's 24 of 25 (one dropped) ends the epoch
+    assert seen2 + seen1 == order[:24] and pos == Position(1, 0)
+    seen3, pos = global_order(3, Position(0, 6), 3)  # 18 batches after the first 6
+    assert seen3 == order[6:24] and pos == Position(1, 0)
+    assert plan(0, 3).steps_in_epoch(0, 24) == 0

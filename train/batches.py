@@ -64,13 +64,18 @@ def rank_batches(batches: list[list[int]], rank: int, world_size: int) -> list[l
     return batches[rank : per_rank * world_size : world_size]
 
 
+def clip_items(items: list[dict[str, torch.Tensor]], max_length: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """Cut every sequence of `items` (all its tensors) to max_length tokens (None: unchanged)."""
+    return [{k: v[:max_length] for k, v in item.items()} for item in items] if max_length else items
+
+
 def collate(items: list[dict[str, torch.Tensor]], max_length: int | None = None) -> dict[str, torch.Tensor]:
     """Right-pad a list of sequences into a batch. Padding has loss_mask False, token 0 and zero features.
 
     Returns input_ids (B, T) int64, loss_mask (B, T) bool and, when present, aux_hidden (B, T, k·H) and
     last_hidden (B, T, H) in their stored dtype. Right padding is invisible to causal attention.
     """
-    items = [{k: v[:max_length] if max_length else v for k, v in item.items()} for item in items]
+    items = clip_items(items, max_length)
     seq_len = max(len(item["input_ids"]) for item in items)
     out: dict[str, torch.Tensor] = {}
     for key in items[0]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -114,11 +115,15 @@ class FeatureDataset(torch.utils.data.Dataset):
                 self.offsets[shard["file"]] = f.get_tensor("offsets")
             self.index += [(shard["file"], j) for j in range(shard["num_sequences"])]
         self._handles: dict[str, Any] = {}
+        self._pid = os.getpid()
 
     def __len__(self) -> int:
         return len(self.index)
 
     def _handle(self, file: str):
+        """An open safetensors handle, opened lazily in each process (a forked DataLoader worker opens its own)."""
+        if self._pid != os.getpid():
+            self._handles, self._pid = {}, os.getpid()
         if file not in self._handles:
             self._handles[file] = safe_open(str(self.folder / file), framework="pt")
         return self._handles[file]

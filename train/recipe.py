@@ -113,6 +113,8 @@ class TrainSection:
     keep_checkpoints: int | None = 2  # None = keep every checkpoint
     eval_every: int = 250
     eval_batches: int | None = 50  # validation micro-batches per rank and evaluation (None = all)
+    log_every: int = 10  # steps per log.jsonl record (host syncs of loss/accuracy only then; also at eval/save steps)
+    num_workers: int = 1  # DataLoader worker processes reading and collating batches (0 = in the main process)
     debug_report: bool = False  # write ranks/rank-<r>.json (sequences seen, parameter sums, peak RSS): tests, benches
 
     def __post_init__(self) -> None:
@@ -122,6 +124,9 @@ class TrainSection:
             self.batch_tokens = None
         elif self.batch_tokens is None:
             raise ValueError("set one of train.batch_size and train.batch_tokens")
+        if self.log_every < 1 or self.num_workers < 0:
+            raise ValueError(f"train.log_every must be >= 1 and train.num_workers >= 0, got {self.log_every} and "
+                             f"{self.num_workers}")
         try:
             mixed_precision(self.mixed_precision)
         except (KeyError, ValueError):

@@ -2,7 +2,8 @@
 
     output_dir/checkpoint-<step>/
         config.json, model.safetensors     the head (drafthead.load_head loads it)
-        trainer_state.json                 step, epoch, micro-batch position, world size, learning rate
+        trainer_state.json                 step, data position (epoch + global micro-batches consumed), world
+                                           size, engine, learning rate
         training_state/                    accelerator.save_state: model + optimizer (a DeepSpeed checkpoint
                                            under DeepSpeed, every rank's ZeRO shard) and the RNG state of
                                            EVERY rank (random_states_<rank>.pkl)
@@ -11,12 +12,14 @@
 Everything is written into `.tmp-<name>` and renamed by rank 0 after all ranks finished, so a folder named
 checkpoint-<step> is always complete. The learning-rate schedule is a pure function of the step, so the
 step in trainer_state.json is the scheduler's whole state; the data order is a pure function of
-(seed, epoch), so the step also fixes the data position.
+(seed, epoch), and the position in it is counted in global micro-batches (train.loader), so a run may resume with
+another number of processes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import shutil
 from pathlib import Path
@@ -102,18 +105,30 @@ def save_checkpoint(accelerator: Accelerator, head: torch.nn.Module, output_dir:
     return final
 
 
-def load_checkpoint(accelerator: Accelerator, path: str | Path) -> dict:
-    """Restore model, optimizer and every rank's RNG from `path`; returns its trainer_state."""
-    import json
+def load_checkpoint(accelerator: Accelerator, path: str | Path, model: torch.nn.Module) -> dict:
+    """Restore model, optimizer and RNG from `path` (written by this or another number of processes); returns its
+    trainer_state. `model` is the prepared (engine-wrapped) model: DeepSpeed and non-DeepSpeed states do not mix.
 
+    Same world size: everything, every rank's RNG included. Another world size: DDP / one process restore the model
+    and the optimizer (both whole in every rank's copy; ranks beyond the saved ones keep their seeded RNG);
+    DeepSpeed ZeRO 0-2 goes through a universal checkpoint (train.zero_resize); ZeRO-3 is refused.
+    """
     path = Path(path)
     state = json.loads((path / TRAINER_STATE).read_text())
+    engine = type(model).__name__
+    saved_engine = state.get("engine", engine)
+    if (saved_engine == "DeepSpeedEngine") != (engine == "DeepSpeedEngine"):
+        raise RuntimeError(f"{path} was written by engine {saved_engine}, this run uses {engine}: resume with the "
+                           "same kind of engine (DeepSpeed, or DDP / one process without DeepSpeed)")
+    if state["world_size"] == accelerator.num_processes or engine != "DeepSpeedEngine":
+        accelerator.load_state(str(path / STATE_DIR))
+    else:
+        from train.zero_resize import load_resized
+
+        load_resized(accelerator, model, path / STATE_DIR, state["world_size"])
     if state["world_size"] != accelerator.num_processes:
-        raise RuntimeError(
-            f"{path} was written by {state['world_size']} processes, this run has {accelerator.num_processes}: "
-            "exact resume needs the same world size (start a new output_dir to change it)"
-        )
-    accelerator.load_state(str(path / STATE_DIR))
+        accelerator.print(f"[train] {path} was written by {state['world_size']} processes, this run has "
+                          f"{accelerator.num_processes}: the rest of the epoch is re-dealt to this run's ranks")
     return state
 
 

@@ -4,12 +4,16 @@
     python -m train RECIPE                       # one process
 
 One optimizer step = grad_accum micro-batches per rank. Every rank reads its own micro-batches of a
-deterministic epoch order (train.batches), so a resumed run continues exactly where the checkpoint was taken.
-Re-running the same command resumes from the latest complete checkpoint in train.output_dir.
+deterministic epoch order (train.batches) through a DataLoader (train.loader), so a resumed run continues exactly
+where the checkpoint was taken, also with another number of processes. Re-running the same command resumes from
+the latest complete checkpoint in train.output_dir. Host syncs (loss, accuracy, grad norm) happen every
+train.log_every steps only.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import math
 import os
@@ -29,7 +33,9 @@ from drafthead.vocab import build_draft_vocab, full_vocab, token_frequencies
 from train.batches import PreparedSequences, collate, epoch_batches, rank_batches, with_online_features
 from train.evaluate import evaluate, step_statistics
 from train.features import FeatureDataset
+from train.loader import PlanSampler, Position, StepPlan, make_loader
 from train.loss import DraftTrainModule
+from train.rank_sync import checksum, share_draft_vocab
 from train.recipe import Recipe, TrainSection, parse_recipe
 from train.state import clean_partial, gathered_params, latest_checkpoint, load_checkpoint, save_checkpoint, \
     save_head_folder
@@ -145,8 +151,9 @@ class Trainer:
     """Builds everything from a recipe; `run()` trains to max_steps, resuming when a checkpoint exists.
 
     With train.debug_report the run also records what tests and benchmarks check (which sequences each rank
-    trained on, full parameter sums before and after, peak RSS) into output_dir/ranks/rank-<r>.json; without
-    it none of that is kept or computed.
+    trained on, full parameter sums before and after, peak memory, the time of every step and of its forward,
+    backward and optimizer parts) into output_dir/ranks/rank-<r>.json; without it none of that is kept, computed
+    or synchronised.
     """
 
     def __init__(self, recipe: Recipe | dict):
@@ -169,6 +176,7 @@ class Trainer:
         module = DraftTrainModule(head, target, config.ttt_steps, config.ttt_decay, config.feature_noise).to(device)
         if not config.online:
             del target
+        share_draft_vocab(acc, module.head)  # rank 0's draft vocabulary on every rank, checked
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
         plugin = acc.state.deepspeed_plugin
@@ -179,9 +187,12 @@ class Trainer:
         self.head = acc.unwrap_model(self.model).head
         self.engine = type(self.model).__name__
         self._check_engine()
-        self.lengths = self.train_set.lengths()
-        self.total_steps = config.max_steps or sum(self._steps_in_epoch(e) for e in range(config.epochs))
-        self.debug: DebugReport | None = DebugReport(self) if config.debug_report else None
+        self.plan = StepPlan(self.train_set.lengths(), config.seed, config.batch_size, config.batch_tokens,
+                             config.max_length, config.grad_accum, acc.process_index, acc.num_processes)
+        self.lengths = self.plan.lengths
+        self.val_lengths = self.val_set.lengths() if self.val_set is not None else []
+        self.total_steps = self.count_steps(Position(), 0)  # run() counts again from the resumed position
+        self.debug: DebugReport | None = None  # made by run() once the checkpoint (if any) is loaded
 
     # ------------------------------------------------------------------------------------------ setup
     def _check_engine(self) -> None:
@@ -198,85 +209,101 @@ class Trainer:
             f"{acc.num_processes} processes but engine {self.engine} does not synchronise gradients"
         )
 
-    def _rank_epoch(self, epoch: int, lengths: list[int] | None = None, seed: int | None = None) -> list[list[int]]:
-        c, acc = self.config, self.accelerator
-        batches = epoch_batches(self.lengths if lengths is None else lengths, c.seed if seed is None else seed, epoch,
-                                c.batch_size, c.batch_tokens if not c.batch_size else None, c.max_length)
-        return rank_batches(batches, acc.process_index, acc.num_processes)
-
-    def _steps_in_epoch(self, epoch: int) -> int:
-        steps = len(self._rank_epoch(epoch)) // self.config.grad_accum
-        if steps == 0:
-            raise ValueError("an epoch has fewer micro-batches than train.grad_accum: add data or shrink batches")
-        return steps
-
-    def step_groups(self, start: int):
-        """Yield (step, epoch, [grad_accum micro-batches of sequence indices]) from optimizer step `start`."""
-        step, epoch = 0, 0
-        while True:
-            batches = self._rank_epoch(epoch)
-            n = self._steps_in_epoch(epoch)
-            for s in range(max(0, start - step), n):
-                yield step + s, epoch, batches[s * self.config.grad_accum : (s + 1) * self.config.grad_accum]
-            step, epoch = step + n, epoch + 1
-
-    def load_batch(self, dataset, indices: list[int]) -> dict[str, torch.Tensor]:
+    def count_steps(self, position: Position, step: int) -> int:
+        """train.max_steps, or `step` plus the optimizer steps left in the train.epochs epochs from `position`."""
         c = self.config
-        items = [dataset[i] for i in indices]
-        if c.max_length:
-            items = [{k: v[: c.max_length] for k, v in item.items()} for item in items]
-        if c.online:
-            items = with_online_features(items, self.target, self.aux_layer_ids, self.accelerator.device)
-        return {k: v.to(self.accelerator.device) for k, v in collate(items).items()}
+        if c.max_steps is not None:
+            return c.max_steps
+        return step + sum(self.plan.steps_in_epoch(e, position.consumed if e == position.epoch else 0)
+                          for e in range(position.epoch, c.epochs))
+
+    def loader(self, dataset, batch_sampler) -> torch.utils.data.DataLoader:
+        c = self.config
+        return make_loader(dataset, batch_sampler, c.max_length, c.online, c.num_workers, self.accelerator.device)
+
+    def to_device(self, batch) -> dict[str, torch.Tensor]:
+        """A loader's batch on the device; online, the target computes its features first (main process)."""
+        device = self.accelerator.device
+        if self.config.online:
+            batch = collate(with_online_features(batch, self.target, self.aux_layer_ids, device))
+        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
     def validation_batches(self):
-        batches = self._rank_epoch(0, self.val_set.lengths(), seed=0)
-        for indices in batches[: self.config.eval_batches]:
-            yield self.load_batch(self.val_set, indices)
+        c, acc = self.config, self.accelerator
+        batches = epoch_batches(self.val_lengths, 0, 0, c.batch_size, c.batch_tokens, c.max_length)
+        mine = rank_batches(batches, acc.process_index, acc.num_processes)[: c.eval_batches]
+        for batch in self.loader(self.val_set, mine):
+            yield self.to_device(batch)
+
+    def timed(self, part: str):
+        """Time `part` of a step into the debug report (device synchronised); a no-op without debug_report."""
+        return self.debug.timed(part) if self.debug is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------------------------------ loop
     def run(self) -> Path:
         """Train from the latest checkpoint (or step 0) to total_steps; returns output_dir/final."""
-        start = self.resume()
-        log = Logger(self.output_dir, self.accelerator.is_main_process, start)
-        progress = _progress(self.total_steps, start, self.accelerator.is_main_process)
+        c, acc = self.config, self.accelerator
+        start, position = self.resume()
+        self.total_steps = self.count_steps(position, start)
+        if c.debug_report:
+            self.debug = DebugReport(self)
+        log = Logger(self.output_dir, acc.is_main_process, start)
+        progress = _progress(self.total_steps, start, acc.is_main_process)
         if start == 0 and self.val_set is not None:  # the untrained baseline the learning curve starts from
             self.write_untrained_eval()
         self.model.train()
-        tic = time.perf_counter()
-        for step, epoch, group in self.step_groups(start):
-            if step >= self.total_steps:
-                break
+        todo = max(0, self.total_steps - start)
+        batches = iter(self.loader(self.train_set, PlanSampler(self.plan, position, todo)))
+        window = Window(acc.device)
+        for step, planned in enumerate(itertools.islice(self.plan.steps(position), todo), start):
+            tic, excluded = time.perf_counter(), 0.0  # excluded: validation and checkpoint time
             lr = self.set_lr(step)
-            result = self.optimizer_step(group)
-            elapsed, tic = time.perf_counter() - tic, time.perf_counter()
-            record = {"step": step + 1, "epoch": epoch, "loss": result.pop("loss"), "lr": lr,
-                      "acc_0": result.pop("acc_0"), "tokens": result["tokens"],
-                      "tokens_per_s": result.pop("tokens") / max(elapsed, 1e-9), **result}  # + grad_norm
+            tokens = self.optimizer_step(planned.group, batches, window)
             done = step + 1
-            if self.val_set is not None and (done % self.config.eval_every == 0 or done == self.total_steps):
-                record.update(self.validate())
-            log.write(record)
+            validate = self.val_set is not None and (done % c.eval_every == 0 or done == self.total_steps)
+            save = done % c.save_every == 0 or done == self.total_steps
             progress.update(1)
-            progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-            if done % self.config.save_every == 0 or done == self.total_steps:
-                save_checkpoint(self.accelerator, self.head, self.output_dir, done,
-                                {"epoch": epoch, "lr": lr, "grad_accum": self.config.grad_accum},
-                                keep=self.config.keep_checkpoints)
+            if validate or save or done % c.log_every == 0 or done == self.total_steps:
+                record = {"step": done, "epoch": planned.epoch, "lr": lr, **window.flush(acc)}
+                progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                if validate:
+                    excluded -= time.perf_counter()
+                    record.update(self.validate())
+                    excluded += time.perf_counter()
+                log.write(record)
+            if save:
+                excluded -= time.perf_counter()
+                save_checkpoint(acc, self.head, self.output_dir, done,
+                                {"epoch": planned.after.epoch, "consumed": planned.after.consumed, "lr": lr,
+                                 "grad_accum": c.grad_accum, "engine": self.engine},
+                                keep=c.keep_checkpoints)
+                excluded += time.perf_counter()
+            window.exclude(excluded)
+            if self.debug is not None:
+                self.debug.end_step(planned.group, tokens, tic, excluded)
         progress.close()
         log.close()
         return self.finish()
 
-    def resume(self) -> int:
-        """Drop partial checkpoints; load the latest complete one. Returns the step to start from."""
+    def resume(self) -> tuple[int, Position]:
+        """Drop partial checkpoints; load the latest complete one. Returns the step and data position to start from."""
         acc = self.accelerator
         clean_partial(acc, self.output_dir)
-        resume = latest_checkpoint(self.output_dir)
-        if resume is None:
-            return 0
-        start = load_checkpoint(acc, resume)["step"]
-        acc.print(f"[train] resumed from {resume} at step {start}")
-        return start
+        path = latest_checkpoint(self.output_dir)
+        if path is None:
+            return 0, Position()
+        state = load_checkpoint(acc, path, self.model)
+        step = state["step"]
+        if "consumed" in state:
+            position = Position(state["epoch"], state["consumed"])
+        elif state["world_size"] == acc.num_processes and state["grad_accum"] == self.config.grad_accum:
+            position = next(itertools.islice(self.plan.steps(Position()), step - 1, None)).after  # older checkpoint
+        else:
+            raise RuntimeError(f"{path} predates world-size independent data positions: resume it with "
+                               f"{state['world_size']} processes and grad_accum {state['grad_accum']}")
+        acc.print(f"[train] resumed from {path} at step {step} (epoch {position.epoch}, "
+                  f"{position.consumed} global micro-batches consumed)")
+        return step, position
 
     def set_lr(self, step: int) -> float:
         lr = lr_at(self.config, step, self.total_steps)
@@ -284,35 +311,28 @@ class Trainer:
             group["lr"] = lr
         return lr
 
-    def optimizer_step(self, group: list[list[int]]) -> dict[str, float]:
-        """Forward/backward over the grad_accum micro-batches of one step, then the update (inside accumulate).
-        Returns loss (mean over micro-batches and ranks), acc_0, tokens (all ranks) and grad_norm."""
+    def optimizer_step(self, group: list[list[int]], batches, window: Window) -> int:
+        """Forward/backward over the grad_accum micro-batches of one step (the next ones of `batches`), then the
+        update (inside accumulate). Loss, accuracy and grad norm are summed into `window` on the device (no host
+        sync). Returns this rank's token count."""
         c, acc = self.config, self.accelerator
-        losses, tokens, stats, grad_norm = [], 0, None, None
+        tokens = 0
         for indices in group:
-            if self.debug is not None:
-                self.debug.seen.append(indices)
-            batch = self.load_batch(self.train_set, indices)
-            tokens += sum(min(self.lengths[i], c.max_length or self.lengths[i]) for i in indices)
+            batch = self.to_device(next(batches))
+            count = sum(min(self.lengths[i], c.max_length or self.lengths[i]) for i in indices)
+            tokens += count
             with acc.accumulate(self.model):
-                out = self.model(**batch)
-                acc.backward(out["loss"])
-                grad_norm = acc.clip_grad_norm_(self.model.parameters(), c.max_grad_norm) \
-                    if acc.sync_gradients else None
-                self.optimizer.step()
-                self.optimizer.zero_grad()
-            losses.append(out["loss"].detach().float())
-            s = step_statistics({k: [t.detach() for t in v] if isinstance(v, list) else v
-                                 for k, v in out.items()}, batch["input_ids"])
-            stats = s if stats is None else {k: stats[k] + s[k] for k in s}
-        packed = torch.cat([torch.stack(losses).mean().reshape(1).double(), stats["correct"][:1],
-                            stats["count"][:1], torch.tensor([tokens], dtype=torch.float64, device=acc.device)])
-        packed = acc.reduce(packed, "sum")
-        result = {"loss": float(packed[0]) / acc.num_processes, "acc_0": float(packed[1] / packed[2].clamp(min=1)),
-                  "tokens": int(packed[3])}
-        if grad_norm is not None:
-            result["grad_norm"] = float(grad_norm)
-        return result
+                with self.timed("forward"):
+                    out = self.model(**batch)
+                with self.timed("backward"):
+                    acc.backward(out["loss"])
+                with self.timed("optimizer"):
+                    grad_norm = acc.clip_grad_norm_(self.model.parameters(), c.max_grad_norm) \
+                        if acc.sync_gradients else None
+                    self.optimizer.step()
+                    self.optimizer.zero_grad()
+            window.add(out, batch["input_ids"], count, grad_norm)
+        return tokens
 
     def validate(self) -> dict[str, float]:
         """Validation metrics over all ranks, keys prefixed eval_ (the model is back in train mode after)."""
@@ -338,14 +358,82 @@ class Trainer:
         return final
 
 
+class Window:
+    """The training metrics since the last log record, summed on the device: one host sync per record."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss, correct_0, count_0, grad_norm
+        self.micro_batches = self.norms = self.tokens = 0
+        self.started = time.perf_counter()
+
+    def add(self, out: dict, input_ids: torch.Tensor, tokens: int, grad_norm) -> None:
+        stats = step_statistics({k: [t.detach() for t in v] if isinstance(v, list) else v for k, v in out.items()},
+                                input_ids)
+        norm = torch.zeros((), dtype=torch.float64, device=self.device) if grad_norm is None else \
+            torch.as_tensor(grad_norm, device=self.device).double()
+        self.sums += torch.stack([out["loss"].detach().double(), stats["correct"][0], stats["count"][0], norm])
+        self.micro_batches += 1
+        self.norms += grad_norm is not None
+        self.tokens += tokens
+
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` (validation, checkpoints) out of the window's time."""
+        self.started += seconds
+
+    def flush(self, accelerator: Accelerator) -> dict[str, float]:
+        """loss (mean over micro-batches and ranks), acc_0, tokens and tokens/s (all ranks), mean grad_norm; then
+        start a new window. Collective: every rank flushes at the same steps."""
+        packed = accelerator.reduce(torch.cat([self.sums[:3], torch.tensor([float(self.tokens)], dtype=torch.float64,
+                                                                           device=self.device)]), "sum")
+        loss, correct, count, tokens = packed.tolist()  # the host sync
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        result = {"loss": loss / (accelerator.num_processes * max(self.micro_batches, 1)),
+                  "acc_0": correct / max(count, 1.0), "tokens": int(tokens), "tokens_per_s": tokens / elapsed}
+        if self.norms:
+            result["grad_norm"] = float(self.sums[3]) / self.norms
+        self.reset()
+        return result
+
+
 class DebugReport:
     """train.debug_report: ranks/rank-<r>.json with the engine, world size, the sequences this rank trained on,
-    and full parameter sums before and after training (gathered under ZeRO-3: collective)."""
+    full parameter sums when this run starts training (after a resume: the loaded ones) and at its end (gathered
+    under ZeRO-3: collective), the draft vocabulary's checksum, peak memory, and per step
+    its time (validation and checkpoints left out) and the time of its forward, backward and optimizer parts."""
+
+    PARTS = ("forward", "backward", "optimizer")
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
+        self.device = trainer.accelerator.device
         self.seen: list[list[int]] = []
+        self.steps: list[dict[str, float]] = []
+        self.parts = dict.fromkeys(self.PARTS, 0.0)
         self.initial_param_sums = self.param_sums()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def timed(self, part: str):
+        self._sync()
+        tic = time.perf_counter()
+        yield
+        self._sync()
+        self.parts[part] += time.perf_counter() - tic
+
+    def end_step(self, group: list[list[int]], tokens: int, tic: float, excluded: float) -> None:
+        self._sync()
+        self.seen += group
+        self.steps.append({"seconds": time.perf_counter() - tic - excluded, "tokens": tokens, **self.parts})
+        self.parts = dict.fromkeys(self.PARTS, 0.0)
 
     def param_sums(self) -> dict[str, float]:
         """Sum of every trainable head tensor (full, gathered under ZeRO-3). Collective."""
@@ -356,9 +444,12 @@ class DebugReport:
     def write(self) -> None:
         t, acc = self.trainer, self.trainer.accelerator
         report = {"rank": acc.process_index, "world_size": acc.num_processes, "engine": t.engine,
-                  "mixed_precision": acc.mixed_precision, "seen": self.seen, "param_sums": self.param_sums(),
-                  "initial_param_sums": self.initial_param_sums, "peak_rss_mb": _peak_rss_mb(),
-                  "config": asdict(t.config)}
+                  "mixed_precision": acc.mixed_precision, "device": str(self.device), "seen": self.seen,
+                  "param_sums": self.param_sums(), "initial_param_sums": self.initial_param_sums,
+                  "d2t_checksum": checksum(t.head.d2t) if t.head.eagle3 else None,
+                  "peak_rss_mb": _peak_rss_mb(), "steps": self.steps, "config": asdict(t.config)}
+        if self.device.type == "cuda":
+            report["peak_cuda_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         path = t.output_dir / "ranks" / f"rank-{acc.process_index}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report) + "\n")
