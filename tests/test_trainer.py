@@ -273,3 +273,19 @@ def test_step_plan_redeals_across_world_sizes():
     seen3, pos = global_order(3, Position(0, 6), 3)  # 18 batches after the first 6
     assert seen3 == order[6:24] and pos == Position(1, 0)
     assert plan(0, 3).steps_in_epoch(0, 24) == 0
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_offline_loads_only_the_borrowed_modules(tmp_path, tied):
+    """load_borrowed: embedding, final norm and lm_head equal the full target's (tied or not); every decoder layer
+    stays on the meta device (no memory)."""
+    from train.target import load_borrowed
+
+    target = tiny_model("llama", tie_word_embeddings=tied)
+    target.save_pretrained(tmp_path / "t")
+    part = load_borrowed(tmp_path / "t")
+    for get in (lambda m: m.get_input_embeddings(), lambda m: m.get_decoder().norm,
+                lambda m: m.get_output_embeddings()):
+        assert torch.equal(get(part).weight, get(target).weight.float())
+    layers = [p for n, p in part.named_parameters() if ".layers." in n]
+    assert layers and all(p.is_meta for p in layers)

@@ -39,7 +39,7 @@ from train.rank_sync import checksum, share_draft_vocab
 from train.recipe import Recipe, TrainSection, parse_recipe
 from train.state import clean_partial, gathered_params, latest_checkpoint, load_checkpoint, save_checkpoint, \
     save_head_folder
-from train.target import load_target, target_config_hash, target_name
+from train.target import load_borrowed, load_target, target_config_hash, target_name
 
 
 def lr_at(config: TrainSection, step: int, total: int) -> float:
@@ -106,9 +106,10 @@ def _check_features(recipe: Recipe, kind: str, aux: list[int], features: Feature
                          f"(config hash {manifest['target_config_hash']} != {expected})")
 
 
-def build_head(recipe: Recipe, target, train_set) -> DraftHead:
-    """Head shaped after the target, aux ids checked against the features, draft vocab from the train tokens;
-    or, with head.init_from, the weights, aux layers and draft vocabulary of an existing head (fine-tuning)."""
+def build_head(recipe: Recipe, target, train_set, count_tokens: bool = True) -> DraftHead:
+    """Head shaped after the target, aux ids checked against the features, draft vocab from the train tokens
+    (count_tokens=False: left empty, for a rank that receives rank 0's); or, with head.init_from, the weights, aux
+    layers and draft vocabulary of an existing head (fine-tuning)."""
     kind = recipe.head.kind
     if recipe.head.init_from:
         return _head_from(recipe, target, train_set)
@@ -121,7 +122,7 @@ def build_head(recipe: Recipe, target, train_set) -> DraftHead:
     config = HeadConfig.from_target_config(target.config, kind=kind, draft_vocab_size=draft_vocab,
                                            aux_layer_ids=aux, target_name=target_name(recipe.target))
     head = DraftHead(config).attach_target(target)
-    if head.eagle3:
+    if head.eagle3 and count_tokens:
         if draft_vocab < vocab_size:
             d2t, t2d = build_draft_vocab(token_frequencies(train_set.token_arrays(), vocab_size), draft_vocab)
         else:
@@ -161,7 +162,9 @@ class Trainer:
         self.config = config = recipe.train
         # Load the frozen target before the Accelerator exists: under a ZeRO-3 launch transformers would
         # otherwise partition it (zero.Init), and the head copies its embedding / norm / lm_head.
-        target = load_target(recipe.target, device="cpu", dtype=recipe.dtype if config.online else "float32")
+        # Offline, only the modules the head borrows are loaded (embedding, final norm, lm_head; layers on meta).
+        target = load_target(recipe.target, device="cpu", dtype=recipe.dtype) if config.online else \
+            load_borrowed(recipe.target)
         self.accelerator = acc = make_accelerator(config)
         self.output_dir = Path(config.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -169,8 +172,10 @@ class Trainer:
         device = acc.device
         self.train_set = _open_split(recipe, "train")
         self.val_set = _open_split(recipe, "validation")
-        target = target.to(device)
-        head = build_head(recipe, target, self.train_set)
+        if config.online:
+            target = target.to(device)
+        # the draft vocabulary is counted once, on rank 0, and broadcast below
+        head = build_head(recipe, target, self.train_set, count_tokens=acc.is_main_process)
         self.target = target if config.online else None  # offline: only the borrowed modules are kept
         self.aux_layer_ids = head.config.aux_layer_ids
         module = DraftTrainModule(head, target, config.ttt_steps, config.ttt_decay, config.feature_noise).to(device)
