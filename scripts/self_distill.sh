@@ -42,4 +42,4 @@ for arm in self original; do
       train.output_dir="$RUN/train-$arm"
 done
 $PY scripts/tau_table.py --heads start="$HEAD" self="$RUN/train-self/final" original="$RUN/train-original/final" \
-    --tree gpu --num-prompts 80 --max-new-tokens 128 --out "$RUN/tau_table.json"
+    --tree gpu --num-prompts 80 --max-new-tokens 64 --out "$RUN/tau_table.json"

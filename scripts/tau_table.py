@@ -13,6 +13,7 @@ row per head. Heads are decoded prompt by prompt in turn; timing plays no part.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -76,7 +77,9 @@ def main(argv: list[str] | None = None) -> None:
               "outputs_identical_across_heads": all(outputs[n] == outputs[first] for n in outputs), "heads": {}}
     for name, path in heads.items():
         n = lengths[name]
+        digest = hashlib.sha256(json.dumps(outputs[name]).encode()).hexdigest()[:16]  # compare across runs
         result["heads"][name] = {"path": path, "tau": round(sum(n) / len(n), 4), "target_forwards": len(n),
+                                 "new_tokens": sum(map(len, outputs[name])), "outputs_sha256": digest,
                                  "depth_acceptance": depth_acceptance([x - 1 for x in n], depth)}
     atomic_write_json(Path(args.out), result)
     print("| head | τ | acceptance at draft depth 1..%d |" % depth)
