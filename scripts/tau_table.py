@@ -22,7 +22,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from drafthead.checkpoint import load_head  # noqa: E402
 from drafthead.paths import cache_dir  # noqa: E402
 from drafthead.hardware import resolve_dtype  # noqa: E402
 from drafthead.utils import atomic_write_json  # noqa: E402
@@ -54,10 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     dtype = resolve_dtype(args.dtype, "cpu")
-    target, tokenizer = load_causal_lm(args.target, dtype, None)
-    target = target.to(dtype=dtype).eval()
+    target, tokenizer = load_causal_lm(args.target, dtype)
     heads = dict(item.split("=", 1) for item in args.heads)
-    gens = {name: SpeculativeGenerator(target, load_head(path, target=target, dtype=dtype), tokenizer, tree=args.tree)
+    gens = {name: SpeculativeGenerator.from_pretrained(target, path, dtype=dtype, tokenizer=tokenizer, tree=args.tree)
             for name, path in heads.items()}
     prompts = load_prompts(args.prompts, args.num_prompts)
     lengths: dict[str, list[int]] = {name: [] for name in gens}

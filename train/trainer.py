@@ -31,7 +31,7 @@ from drafthead.config import default_aux_layer_ids
 from drafthead.utils import atomic_write_json, mixed_precision
 from drafthead.vocab import build_draft_vocab, full_vocab, token_frequencies
 from train.batches import PreparedSequences, collate, epoch_batches, rank_batches, with_online_features
-from train.evaluate import evaluate, step_statistics
+from train.evaluate import evaluate
 from train.features import FeatureDataset
 from train.loader import PlanSampler, Position, StepPlan, make_loader
 from train.loss import DraftTrainModule
@@ -336,7 +336,7 @@ class Trainer:
                         if acc.sync_gradients else None
                     self.optimizer.step()
                     self.optimizer.zero_grad()
-            window.add(out, batch["input_ids"], count, grad_norm)
+            window.add(out, count, grad_norm)
         return tokens
 
     def validate(self) -> dict[str, float]:
@@ -375,12 +375,12 @@ class Window:
         self.micro_batches = self.norms = self.tokens = 0
         self.started = time.perf_counter()
 
-    def add(self, out: dict, input_ids: torch.Tensor, tokens: int, grad_norm) -> None:
-        stats = step_statistics({k: [t.detach() for t in v] if isinstance(v, list) else v for k, v in out.items()},
-                                input_ids)
+    def add(self, out: dict, tokens: int, grad_norm) -> None:
+        valid = out["valid"][0]  # unroll position 0 only: acc_0 (the full chain statistics are for validation)
+        correct = ((out["preds"][0] == out["targets"][0]) & valid).sum()
         norm = torch.zeros((), dtype=torch.float64, device=self.device) if grad_norm is None else \
             torch.as_tensor(grad_norm, device=self.device).double()
-        self.sums += torch.stack([out["loss"].detach().double(), stats["correct"][0], stats["count"][0], norm])
+        self.sums += torch.stack([out["loss"].detach().double(), correct.double(), valid.sum().double(), norm])
         self.micro_batches += 1
         self.norms += grad_norm is not None
         self.tokens += tokens
