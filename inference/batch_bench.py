@@ -36,6 +36,7 @@ from .loading import load_causal_lm
 from .long_context import long_prompts
 from .sampling import SamplingParams
 from .self_draft import StreamingSelfDrafter
+from .static_runner import compile_setting
 from .tree import tree_options
 
 BATCH_METHODS = {
@@ -69,7 +70,8 @@ def make_drafters(args, model, head) -> dict:
     """The methods' batched drafters by name."""
     options = tree_options(args.tree)
     drafters = {"plain": PlainBatchDrafter(),
-                "self": StreamingSelfDrafter(model, sink=args.sink, window=args.window, gamma=args.gamma)}
+                "self": StreamingSelfDrafter(model, sink=args.sink, window=args.window, gamma=args.gamma,
+                                          compile=args.compile)}
     if head is not None:
         drafters["head"] = BatchHeadDrafter(head, options)
         drafters["head_window"] = BatchHeadDrafter(head, options, sink=args.sink, window=args.window)
@@ -104,17 +106,23 @@ def run_group(runner: BatchRunner, drafters: dict, rows: list[dict], max_new: in
     prefilled = (torch.stack([row["logits"] for row in rows]), features)
     state = runner.snapshot()
     out = {}
-    for name, drafter in drafters.items():
+
+    def decode(drafter, new_tokens: int) -> tuple[list[list[int]], GenerationStats, float]:
         runner.restore(state)
         stats = GenerationStats()
-        stoppers = [Stopper(set(), [], None, max_new) for _ in range(b)]
+        stoppers = [Stopper(set(), [], None, new_tokens) for _ in range(b)]
         t0 = time.perf_counter()
         with runner.session(), torch.inference_mode():
             new = decode_batch(runner, drafter, ids, mask, params, stoppers, None, stats, lambda: None,
                                prefilled=prefilled)
-        total = time.perf_counter() - t0
+        return new, stats, time.perf_counter() - t0
+
+    for name, drafter in drafters.items():
+        # warm-up: two steps (a compiled drafter compiles its step here), timed apart from the decode
+        warmup_s = decode(drafter, 2 * drafter.tree_size)[2]
+        new, stats, total = decode(drafter, max_new)
         decode_s = total - stats.prefill_time_s  # prefill_time_s here: the drafter's begin alone
-        out[name] = dict(rows=new, decode_s=decode_s, begin_s=stats.prefill_time_s,
+        out[name] = dict(rows=new, decode_s=decode_s, begin_s=stats.prefill_time_s, warmup_s=warmup_s,
                          steps=stats.target_forwards - 1, accept=stats.accept_lengths,
                          draft_s=stats.draft_time_s, verify_s=stats.verify_time_s)
     del state
@@ -135,7 +143,7 @@ def summarise_cell(groups: list[dict], names: list[str], b: int, context: int) -
                  step_ms=1000 * decode_s / max(steps, 1),
                  draft_ms_per_step=1000 * sum(g["draft_s"] for g in runs) / max(steps, 1),
                  verify_ms_per_step=1000 * sum(g["verify_s"] for g in runs) / max(steps, 1),
-                 begin_s=sum(g["begin_s"] for g in runs))
+                 begin_s=sum(g["begin_s"] for g in runs), warmup_s=round(sum(g["warmup_s"] for g in runs), 2))
         if name != "plain" and "plain" in names:
             m["greedy_match"] = all(r == p for g in groups for r, p in zip(g[name]["rows"], g["plain"]["rows"]))
         cell["methods"][name] = m
@@ -155,12 +163,14 @@ def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
     model, tokenizer = load_causal_lm(args.target, dtype)
     model = model.to(device=device, dtype=dtype).eval()
     head = load_head(args.draft, target=model, device=device, dtype=dtype) if args.draft else None
+    # the self-draft's step is compiled (target steps run eagerly: their batch shrinks as rows finish)
+    args.compile = compile_setting({"on": True, "off": False}.get(args.compile, args.compile), device)
     drafters = make_drafters(args, model, head)
     names = list(drafters)
     runner = BatchRunner(model, next((d.feature_layers for d in drafters.values() if d.feature_layers), []))
     result = {"target": str(args.target), "draft": str(args.draft), "device": str(device), "dtype": str(dtype),
               "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
-              "tree": str(tree_options(args.tree)), "sink": args.sink, "window": args.window, "gamma": args.gamma,
+              "tree": str(tree_options(args.tree)), "compile": args.compile, "sink": args.sink, "window": args.window, "gamma": args.gamma,
               "methods": {n: BATCH_METHODS[n] for n in names}, "cells": []}
     room = args.max_new_tokens + max(d.tree_size for d in drafters.values())
     for context in args.contexts:

@@ -33,7 +33,7 @@ from drafthead.capture import HiddenStateCapture
 from drafthead.masks import to_additive
 
 from .attention import NAME as MATMUL_ATTENTION
-from .attention import PREFILL_NAME, attention_implementation, prefers_matmul_attention
+from .attention import PREFILL_NAME, attention_implementation, kv_length_kwargs, prefers_matmul_attention
 from .slots import copy_rows
 from .static_runner import buffer_capacity, static_cache, static_cache_supported
 
@@ -48,9 +48,7 @@ def forward_on_cache(model: nn.Module, cache: StaticCache, input_ids: torch.Tens
     of the last `keep` positions only (0: all). Returns the model's output."""
     for layer in cache.layers:
         layer.cumulative_length.fill_(write_at)
-    extra = {}
-    if kv_length is not None and model.config._attn_implementation in (MATMUL_ATTENTION, PREFILL_NAME):
-        extra["drafthead_kv_length"] = torch.tensor(kv_length)
+    extra = kv_length_kwargs(model, torch.tensor(kv_length) if kv_length is not None else None)
     return model(input_ids=input_ids, position_ids=position_ids,
                  attention_mask=to_additive(allowed.unsqueeze(1), cache.layers[0].keys.dtype),
                  past_key_values=cache, use_cache=True, logits_to_keep=keep, **extra)

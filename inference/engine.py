@@ -290,7 +290,8 @@ class SpeculativeGenerator:
             if draft_kv != "streaming":
                 raise ValueError("self-speculation drafts with draft_kv='streaming' (a full-KV self draft is the "
                                  "target itself)")
-            draft = StreamingSelfDrafter(model, sink=sink, window=window, gamma=gamma)
+            draft = StreamingSelfDrafter(model, sink=sink, window=window, gamma=gamma,
+                                         compile=compile_setting(compile, ref.device))
         elif isinstance(draft, DraftHead):
             check_compatible(draft.config, model.config)
             draft = draft.to(device=ref.device, dtype=ref.dtype).attach_target(model)

@@ -10,19 +10,29 @@ The draft keeps its own buffers (sink + window + gamma slots per row, constant i
 streaming layout). They are never computed by the draft itself: after every verification the newly committed
 entries are copied from the target's full buffers, so the draft always holds the target's exact KV for the
 positions it keeps; only its drafted tokens (written in scratch slots after the ring) are its own.
+
+With `compile` the draft step (one token per row over the draft buffers) is one torch.compile graph. Its shape
+never changes while a batch decodes: when rows finish, the draft buffers keep their batch size (the rows still
+alive first, the last of them repeated after), so no row leaving costs a recompile; a draft step over a
+constant-size KV costs about the same for 4 rows as for 8 (it reads the weights once either way).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn as nn
 from transformers import StaticCache
 
-from .batch_runner import forward_on_cache, keep_cache_rows
+from drafthead.masks import to_additive
+
+from .attention import kv_length_kwargs
+from .batch_runner import keep_cache_rows
 from .batch_tree import BatchTree
 from .sampling import SamplingParams, target_probs
 from .slots import SlotMap, read_rows, write_rows
-from .static_runner import static_cache
+from .static_runner import compile_step, static_cache
 
 
 class StreamingSelfDrafter:
@@ -31,10 +41,13 @@ class StreamingSelfDrafter:
     name = "self"
     feature_layers: list[int] = []
 
-    def __init__(self, model: nn.Module, sink: int = 4, window: int = 512, gamma: int = 3):
+    def __init__(self, model: nn.Module, sink: int = 4, window: int = 512, gamma: int = 3, compile: bool = False):
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
         self.model = model
+        self.compiled = compile
+        self._step = compile_step(self._draft_step, next(model.parameters()).device) if compile else self._draft_step
+        self.compile_s: dict[int, float] = {}  # draft batch size -> seconds of its first (compiling) step
         self.layout = SlotMap(sink, window)
         self.gamma = gamma
         self.tree_size = gamma + 1
@@ -44,6 +57,7 @@ class StreamingSelfDrafter:
         self.slot_pos: torch.Tensor | None = None  # (B, capacity) position held by each slot, -1 if none
         self.runner = None
         self.drafted_from: torch.Tensor | None = None  # (B,) the root position of the last chain
+        self.alive = 0  # rows of the batch in the draft buffers (the first `alive`; the rest repeat the last)
 
     @property
     def dummy(self) -> int:
@@ -58,7 +72,9 @@ class StreamingSelfDrafter:
         """Fresh draft buffers for the runner's rows, filled with the prompt's sinks and last `window` entries."""
         self.runner = runner
         b = runner.batch
-        self.cache = static_cache(self.model, b, self.capacity)
+        if self.cache is None or self.cache.layers[0].keys.shape[0] != b:
+            self.cache = static_cache(self.model, b, self.capacity)
+        self.alive = b
         self.slot_pos = torch.full((b, self.capacity), -1, dtype=torch.long, device=runner.device)
         self._refresh(torch.zeros_like(runner.positions), runner.positions)
 
@@ -69,32 +85,52 @@ class StreamingSelfDrafter:
             return
         src = torch.where(valid, self.runner.slots_of(positions), self.runner.scratch)
         dst = torch.where(valid, self.layout.slots(positions), self.dummy)
+        b = self.alive  # the runner's rows; draft rows after them only pad the batch
         for (keys, values), layer in zip(self.runner.layers(), self.cache.layers):
-            write_rows(layer.keys, dst, read_rows(keys, src))
-            write_rows(layer.values, dst, read_rows(values, src))
-        self.slot_pos.scatter_(1, dst, torch.where(valid, positions, -1))
+            write_rows(layer.keys[:b], dst, read_rows(keys, src))
+            write_rows(layer.values[:b], dst, read_rows(values, src))
+        self.slot_pos[:b].scatter_(1, dst, torch.where(valid, positions, -1))
         self.slot_pos[:, self.dummy] = -1
+
+    def _draft_step(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                    kv_length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft token per row (B, 1) over the draft buffers, at the slot the cache's length points to.
+        Returns (last logits (B, V), their argmax (B, 1)). The compiled graph when compile is on."""
+        out = self.model(input_ids=tokens, position_ids=position_ids, attention_mask=mask,
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+                         **kv_length_kwargs(self.model, kv_length))
+        logits = out.logits[:, -1]
+        return logits, logits.argmax(dim=-1, keepdim=True)
 
     @torch.inference_mode()
     def propose(self, roots: torch.Tensor, params: SamplingParams,
                 generator: torch.Generator | None = None) -> BatchTree:
         b = roots.shape[0]
         self.drafted_from = self.runner.positions
-        held = self.slot_pos >= 0  # (B, capacity): every held position precedes the root
-        tokens, drafted, qs = roots.view(b, 1), [], []
+        full = self.slot_pos.shape[0]  # the draft batch: b alive rows, then copies of the last one
+        pad = torch.arange(full, device=roots.device).clamp_max(b - 1)
+        positions = self.drafted_from[pad][:, None]
+        # additive mask (B, 1, 1, capacity): every held position precedes the root; the chain's slots open one
+        # per depth (each draft token sees the chain so far, itself included)
+        mask = to_additive((self.slot_pos >= 0)[:, None, None, :], self.cache.layers[0].keys.dtype)
+        kv_length = torch.tensor(self.capacity)
+        tokens, drafted, qs = roots[pad].view(full, 1), [], []
         for d in range(self.gamma):
-            allowed = held.clone()
-            allowed[:, self.scratch: self.scratch + d + 1] = True  # the chain so far, itself included
-            out = forward_on_cache(self.model, self.cache, tokens, (self.drafted_from + d)[:, None],
-                                   allowed[:, None, :], self.scratch + d, self.capacity, keep=1)
-            logits = out.logits[:, -1]  # (B, V)
+            mask[..., self.scratch + d] = 0
+            for layer in self.cache.layers:
+                layer.cumulative_length.fill_(self.scratch + d)
+            first = full not in self.compile_s
+            start = time.perf_counter()
+            logits, greedy = self._step(tokens, positions + d, mask, kv_length)
+            if first:
+                self.compile_s[full] = time.perf_counter() - start
             if params.do_sample:
                 q = target_probs(logits, params)  # (B, V)
                 tokens = torch.multinomial(q, 1, generator=generator)
-                qs.append(q)
+                qs.append(q[:b])
             else:
-                tokens = logits.argmax(dim=-1, keepdim=True)
-            drafted.append(tokens)
+                tokens = greedy
+            drafted.append(tokens[:b])
         return BatchTree.chain(roots, torch.cat(drafted, dim=1), torch.stack(qs, dim=1) if qs else None)
 
     def accept(self, paths, new_tokens, features) -> None:
@@ -102,5 +138,16 @@ class StreamingSelfDrafter:
         self._refresh(self.drafted_from, self.runner.positions)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        keep_cache_rows(self.cache, rows)
-        self.slot_pos = self.slot_pos[rows]
+        """Only `rows` go on: compiled, they move to the front of the same buffers (the batch keeps its size, so
+        its graph); eager, the buffers shrink to them."""
+        if not self.compiled:
+            keep_cache_rows(self.cache, rows)
+            self.slot_pos = self.slot_pos[rows]
+            self.alive = rows.shape[0]
+            return
+        self.alive = rows.shape[0]
+        pad = rows[torch.arange(self.slot_pos.shape[0], device=rows.device).clamp_max(self.alive - 1)]
+        for layer in self.cache.layers:
+            layer.keys.copy_(layer.keys.index_select(0, pad))
+            layer.values.copy_(layer.values.index_select(0, pad))
+        self.slot_pos = self.slot_pos[pad]

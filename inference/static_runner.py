@@ -30,7 +30,7 @@ from drafthead.capture import HiddenStateCapture
 from drafthead.masks import buffer_mask, causal_allowed
 
 from .attention import NAME as MATMUL_ATTENTION
-from .attention import attention_implementation, prefers_matmul_attention
+from .attention import attention_implementation, kv_length_kwargs, prefers_matmul_attention
 
 DEFAULT_BUCKETS = (1, 4, 8, 12, 16, 32, 64)
 MIN_CAPACITY = 256
@@ -135,9 +135,8 @@ class StaticRunner:
     def _forward(self, input_ids, position_ids, attention_mask, kv_length):
         if self.capture is not None:
             self.capture.recording = True
-        extra = {"drafthead_kv_length": kv_length} if self.attention == MATMUL_ATTENTION else {}
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                         past_key_values=self.cache, use_cache=True, **extra)
+                         past_key_values=self.cache, use_cache=True, **kv_length_kwargs(self.model, kv_length))
         features = None
         if self.capture is not None:
             features = self.capture.stacked(self.feature_layers)

@@ -87,6 +87,24 @@ def test_batch_rows_that_hit_eos_stop_there():
         assert_rows_match(gen, target, rows, max_new=30, eos=eos)
 
 
+def test_compiled_self_draft_keeps_one_graph_as_rows_leave():
+    """The compiled self-draft: rows stop at different steps (and leave the target's buffers), the draft batch
+    keeps its size (one compiled graph, no recompile), and every row still ends exactly as it does alone."""
+    target = near_bigram_target("llama")
+    rows = row_prompts(target.config.vocab_size, seed=3)
+    alone = [target.generate(r, do_sample=False, max_new_tokens=30, eos_token_id=None)[0, r.shape[1]:].tolist()
+             for r in rows]
+    ends = {e: [a.index(e) + 1 if e in a else 30 for a in alone] for e in alone[0][:12]}
+    eos = next(e for e, end in ends.items() if sum(n < 20 for n in end) >= 2 and max(end) == 30)  # 2 rows stop early
+    drafter = StreamingSelfDrafter(target, sink=2, window=4, gamma=3, compile=True)
+    gen = SpeculativeGenerator(target, drafter)
+    for _ in range(2):
+        assert_rows_match(gen, target, rows, max_new=30, eos=eos)
+        assert gen.batch_runner.batch < len(rows)  # finished rows left the target's buffers
+        assert drafter.alive < len(rows) and drafter.kv_shape[0] == len(rows)
+    assert list(drafter.compile_s) == [len(rows)]
+
+
 def test_batch_of_one_is_the_single_sequence_path():
     """B = 1 without padding takes the single-sequence engine; self-speculation takes the batched one. Both exact."""
     target = tiny_model("qwen2", seed=2)
