@@ -54,6 +54,7 @@ class StreamingSelfDrafter:
         self.scratch = self.layout.size(0)  # first draft slot, after the sinks and the ring
         self.capacity = self.scratch + gamma + 1  # + one dummy slot for padded copies
         self.cache: StaticCache | None = None
+        self._caches: dict[int, StaticCache] = {}  # batch size -> its draft buffers
         self.slot_pos: torch.Tensor | None = None  # (B, capacity) position held by each slot, -1 if none
         self.runner = None
         self.drafted_from: torch.Tensor | None = None  # (B,) the root position of the last chain
@@ -72,8 +73,12 @@ class StreamingSelfDrafter:
         """Fresh draft buffers for the runner's rows, filled with the prompt's sinks and last `window` entries."""
         self.runner = runner
         b = runner.batch
-        if self.cache is None or self.cache.layers[0].keys.shape[0] != b:
-            self.cache = static_cache(self.model, b, self.capacity)
+        # one set of buffers per batch size, kept: a compiled graph holds on to the buffers it was traced with
+        # (a fresh cache of the same shape would pass its guards while the graph kept writing the old one)
+        cache = self._caches.get(b)
+        if cache is None or cache.layers[0].keys.shape[0] != b:  # eager keep_rows() shrinks a cache's buffers
+            cache = self._caches[b] = static_cache(self.model, b, self.capacity)
+        self.cache = cache
         self.alive = b
         self.slot_pos = torch.full((b, self.capacity), -1, dtype=torch.long, device=runner.device)
         self._refresh(torch.zeros_like(runner.positions), runner.positions)

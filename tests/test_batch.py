@@ -103,6 +103,9 @@ def test_compiled_self_draft_keeps_one_graph_as_rows_leave():
         assert gen.batch_runner.batch < len(rows)  # finished rows left the target's buffers
         assert drafter.alive < len(rows) and drafter.kv_shape[0] == len(rows)
     assert list(drafter.compile_s) == [len(rows)]
+    for pick in ([0, 1], [0, 1, 2, 3], [1, 3]):  # other batch sizes and back: each keeps its own graph and buffers
+        assert_rows_match(gen, target, [rows[i] for i in pick], max_new=30, eos=eos)
+    assert sorted(drafter.compile_s) == [2, 4]
 
 
 def test_batch_of_one_is_the_single_sequence_path():
@@ -191,3 +194,26 @@ def test_batch_refusals():
         SpeculativeGenerator.from_pretrained(target, "self")
     with pytest.raises(NotImplementedError, match="static KV"):
         BatchRunner(tiny_model("mistral", sliding_window=8), [])
+
+
+def test_grid_cell_methods_decode_the_same_rows():
+    """One grid cell on a tiny fp32 target: every method decodes the same prefilled rows (greedy rows equal plain
+    decoding's), each `repeats` times in turn, and the cell reports the median run of each."""
+    from inference.batch_bench import prefill_rows, run_group, summarise_cell
+    from inference.batch_tree import PlainBatchDrafter
+
+    target = near_bigram_target("llama")
+    g = torch.Generator().manual_seed(5)
+    prompts = torch.randint(3, target.config.vocab_size, (4, 40), generator=g).tolist()
+    runner = BatchRunner(target, [])
+    drafters = {"plain": PlainBatchDrafter(), "self": StreamingSelfDrafter(target, sink=2, window=8, gamma=3)}
+    rows, _ = prefill_rows(runner, prompts, room=16 + 4)
+    group = run_group(runner, drafters, rows, max_new=16, repeats=3)
+    cell = summarise_cell([group], list(drafters), b=4, context=40)
+    for name, m in cell["methods"].items():
+        assert len(m["decode_s_runs"]) == 3 and m["decode_s_runs"] == sorted(m["decode_s_runs"])
+        assert m["decode_s"] == m["decode_s_runs"][1] and m["tokens"] == 4 * 16, name
+    assert cell["methods"]["self"]["greedy_match"] and cell["methods"]["self"]["tau"] > 1.5
+    for i, prompt in enumerate(prompts):
+        ref = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16)[0, 40:].tolist()
+        assert group["plain"]["rows"][i] == ref
