@@ -7,7 +7,9 @@ EAGLE-head drafting with a full or a windowed KV, on long real prompts (long_con
 Each cell (context L, batch B) decodes at least `--prompts-per-cell` prompts of exactly L tokens, B at a time.
 Every prompt is prefilled ONCE per context (its KV kept per row); a cell's batches are built from those rows and
 every method starts from a copy of the same batch (the prefill is reported apart), so the methods decode the
-very same rows. Decoding runs `--max-new-tokens` per row without eos
+very same rows. Each method first decodes a few tokens of the batch as a warm-up (a compiled self-draft compiles
+there; reported as warmup_s), then `--repeats` times in turn with the other methods; its median run is reported
+(all decode times kept as decode_s_runs). Decoding runs `--max-new-tokens` per row without eos
 (fixed-length throughput, as MagicDec measures). Reported per method: decode tokens/s (all rows), speedup over
 plain batched decoding in the same cell, τ (tokens per row per verification), cost per step (draft and verify),
 the drafter's begin time (feeding the prompt to a head), and the cell's peak RSS. Greedy outputs are checked

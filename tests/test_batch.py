@@ -217,3 +217,18 @@ def test_grid_cell_methods_decode_the_same_rows():
     for i, prompt in enumerate(prompts):
         ref = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16)[0, 40:].tolist()
         assert group["plain"]["rows"][i] == ref
+
+
+def test_verify_cost_script_times_every_size():
+    """scripts/verify_cost.py times one verify step per size on the batch runner, the sizes in turn."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "verify_cost.py"
+    spec = importlib.util.spec_from_file_location("verify_cost", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    runner = BatchRunner(tiny_model("llama"), [])
+    times = module.measure(runner, batch=2, context=20, queries=[1, 3], rounds=2)
+    assert sorted(times) == [1, 3] and all(len(t) == 2 and min(t) > 0 for t in times.values())
+    assert runner.length.tolist() == [20, 20]  # verify steps only: nothing committed
