@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -34,6 +35,13 @@ def resolve_dtype(name: str | torch.dtype | None, device: str | torch.device) ->
     if name is None or name == "auto":
         return auto_dtype(device)
     return parse_dtype(name)
+
+
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    """A function that waits for the device's queued work (so timers measure work, not kernel launches)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
 
 
 def cpu_flags() -> list[str]:

@@ -90,12 +90,12 @@ def prefix_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
 AttentionInterface.register(PREFILL_NAME, prefix_sdpa_attention)
 
 
-def kv_length_kwargs(model: nn.Module, kv_length: torch.Tensor | None) -> dict:
+def kv_length_kwargs(model: nn.Module, kv_length: int | torch.Tensor | None) -> dict:
     """The forward kwargs that tell this project's attention kernels the used slots of a preallocated buffer
     (empty when `model` dispatches attention elsewhere, or when kv_length is None)."""
     if kv_length is None or model.config._attn_implementation not in (NAME, PREFILL_NAME):
         return {}
-    return {"drafthead_kv_length": kv_length}
+    return {"drafthead_kv_length": torch.as_tensor(kv_length)}
 
 
 def prefers_matmul_attention(device: torch.device, dtype: torch.dtype) -> bool:

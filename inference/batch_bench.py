@@ -133,7 +133,6 @@ def run_group(runner: BatchRunner, drafters: dict, rows: list[dict], max_new: in
     for result in out.values():  # the run of median decode time stands for the method (greedy: same tokens)
         runs = sorted(result.pop("runs"), key=lambda r: r["decode_s"])
         result.update(runs[(len(runs) - 1) // 2], decode_s_runs=[round(r["decode_s"], 3) for r in runs])
-    del state
     return out
 
 
@@ -173,7 +172,7 @@ def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
     model = model.to(device=device, dtype=dtype).eval()
     head = load_head(args.draft, target=model, device=device, dtype=dtype) if args.draft else None
     # the self-draft's step is compiled (target steps run eagerly: their batch shrinks as rows finish)
-    args.compile = compile_setting({"on": True, "off": False}.get(args.compile, args.compile), device)
+    args.compile = compile_setting(args.compile, device)
     drafters = make_drafters(args, model, head)
     names = list(drafters)
     runner = BatchRunner(model, next((d.feature_layers for d in drafters.values() if d.feature_layers), []))

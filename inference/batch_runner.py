@@ -35,7 +35,7 @@ from drafthead.masks import to_additive
 from .attention import NAME as MATMUL_ATTENTION
 from .attention import PREFILL_NAME, attention_implementation, kv_length_kwargs, prefers_matmul_attention
 from .slots import copy_rows
-from .static_runner import buffer_capacity, static_cache, static_cache_supported
+from .static_runner import buffer_capacity, set_write_slot, static_cache, static_cache_supported
 
 PREFILL_CHUNK = 512
 
@@ -46,19 +46,11 @@ def forward_on_cache(model: nn.Module, cache: StaticCache, input_ids: torch.Tens
     slots write_at..write_at+n-1 for every row, and row b's query i attends the slots where allowed[b, i] (bool
     (B, n, slots)). `kv_length`: the used slots, for this project's prefix-aware attention kernels. `keep`: logits
     of the last `keep` positions only (0: all). Returns the model's output."""
-    for layer in cache.layers:
-        layer.cumulative_length.fill_(write_at)
-    extra = kv_length_kwargs(model, torch.tensor(kv_length) if kv_length is not None else None)
+    set_write_slot(cache, write_at)
+    extra = kv_length_kwargs(model, kv_length)
     return model(input_ids=input_ids, position_ids=position_ids,
                  attention_mask=to_additive(allowed.unsqueeze(1), cache.layers[0].keys.dtype),
                  past_key_values=cache, use_cache=True, logits_to_keep=keep, **extra)
-
-
-def keep_cache_rows(cache: StaticCache, rows: torch.Tensor) -> None:
-    """Keep only `rows` (indices) of every layer's buffers, in that order."""
-    for layer in cache.layers:
-        layer.keys = layer.keys.index_select(0, rows)
-        layer.values = layer.values.index_select(0, rows)
 
 
 class BatchRunner:
@@ -117,7 +109,9 @@ class BatchRunner:
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (indices into the current batch), in that order, in every buffer."""
-        keep_cache_rows(self.cache, rows)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, rows)
+            layer.values = layer.values.index_select(0, rows)
         self.start, self.length = self.start[rows], self.length[rows]
 
     def snapshot(self) -> dict:

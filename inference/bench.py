@@ -316,7 +316,7 @@ def prepare_methods(args, model, tokenizer, inputs: list[torch.Tensor]) -> tuple
     """Drafts, the shared runner, the tree (tuned when auto), the methods, and their warm-up (compiles). Returns
     (methods, the setup part of the JSON, the head or None)."""
     device = next(model.parameters()).device
-    args.compile = compile_setting({"on": True, "off": False}.get(args.compile, args.compile), device)
+    args.compile = compile_setting(args.compile, device)
     head, full_head, draft_model = load_drafts(args, model, tokenizer)
     runner = make_runner(model, head.config.aux_layer_ids if head is not None else [], args.runner, args.compile)
     runner.reserve(max(ids.shape[1] for ids in inputs) + args.max_new_tokens)

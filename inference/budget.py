@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from drafthead import DraftHead
+from drafthead.hardware import synchronizer
 from drafthead.masks import causal_allowed
 
 from .engine import SpeculativeGenerator
@@ -65,7 +66,7 @@ class RecordingDrafter(TreeDrafter):
 
 def _median_ms(fn, reps: int, device: torch.device) -> float:
     """Median wall ms of fn(), waiting for the device's queued work before each reading."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = synchronizer(device)
     times = []
     for _ in range(reps):
         sync()

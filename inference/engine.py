@@ -19,13 +19,14 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from drafthead import DraftHead, check_compatible, load_head
 from drafthead.format import CONFIG_NAME, is_head_config
+from drafthead.hardware import synchronizer
 from drafthead.utils import parse_dtype
 from drafthead.masks import causal_allowed
 
@@ -370,7 +371,7 @@ class SpeculativeGenerator:
         stats = GenerationStats()
         with runner.session():
             new = decode_batch(runner, self.batch_drafter, input_ids, attention_mask, params, stoppers, generator,
-                               stats, _synchronizer(self.device))
+                               stats, synchronizer(self.device))
         stats.rows_new_tokens = [len(row) for row in new]
         stats.new_tokens = sum(stats.rows_new_tokens)
         stats.total_time_s = time.perf_counter() - t_start
@@ -411,7 +412,7 @@ class SpeculativeGenerator:
         drafts on the device (top-k frontier, tree selection, ancestor masks); prompt lookup and the hybrid merge
         work on host lists of at most a few dozen tokens; origin statistics read the path's origins."""
         stats = GenerationStats()
-        sync = _synchronizer(self.device)
+        sync = synchronizer(self.device)
         drafter = self.drafter
         if streamer is not None:
             streamer.put(input_ids.cpu())
@@ -459,9 +460,3 @@ def is_head_folder(path: str | Path) -> bool:
         return False
     return is_head_config(json.loads(config.read_text()))
 
-
-def _synchronizer(device: torch.device) -> Callable[[], None]:
-    """A function that waits for the device's queued work (so timers measure work, not kernel launches)."""
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None

@@ -11,10 +11,10 @@ streaming layout). They are never computed by the draft itself: after every veri
 entries are copied from the target's full buffers, so the draft always holds the target's exact KV for the
 positions it keeps; only its drafted tokens (written in scratch slots after the ring) are its own.
 
-With `compile` the draft step (one token per row over the draft buffers) is one torch.compile graph. Its shape
-never changes while a batch decodes: when rows finish, the draft buffers keep their batch size (the rows still
-alive first, the last of them repeated after), so no row leaving costs a recompile; a draft step over a
-constant-size KV costs about the same for 4 rows as for 8 (it reads the weights once either way).
+The draft step's shape never changes while a batch decodes: when rows finish, the draft buffers keep their batch
+size (the rows still alive first, the last of them repeated after), so with `compile` (the step is one
+torch.compile graph) no row leaving costs a recompile; a draft step over a constant-size KV costs about the same
+for 4 rows as for 8 (it reads the weights once either way).
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ from transformers import StaticCache
 from drafthead.masks import to_additive
 
 from .attention import kv_length_kwargs
-from .batch_runner import keep_cache_rows
 from .batch_tree import BatchTree
 from .sampling import SamplingParams, target_probs
 from .slots import SlotMap, read_rows, write_rows
-from .static_runner import compile_step, static_cache
+from .static_runner import compile_step, set_write_slot, static_cache
 
 
 class StreamingSelfDrafter:
@@ -45,7 +44,6 @@ class StreamingSelfDrafter:
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
         self.model = model
-        self.compiled = compile
         self._step = compile_step(self._draft_step, next(model.parameters()).device) if compile else self._draft_step
         self.compile_s: dict[int, float] = {}  # draft batch size -> seconds of its first (compiling) step
         self.layout = SlotMap(sink, window)
@@ -53,12 +51,18 @@ class StreamingSelfDrafter:
         self.tree_size = gamma + 1
         self.scratch = self.layout.size(0)  # first draft slot, after the sinks and the ring
         self.capacity = self.scratch + gamma + 1  # + one dummy slot for padded copies
+        self.kv_length = torch.tensor(self.capacity)  # the attention kernel reads every draft slot
         self.cache: StaticCache | None = None
         self._caches: dict[int, StaticCache] = {}  # batch size -> its draft buffers
         self.slot_pos: torch.Tensor | None = None  # (B, capacity) position held by each slot, -1 if none
         self.runner = None
         self.drafted_from: torch.Tensor | None = None  # (B,) the root position of the last chain
-        self.alive = 0  # rows of the batch in the draft buffers (the first `alive`; the rest repeat the last)
+
+    @property
+    def alive(self) -> int:
+        """Rows still decoding (the runner's rows): the first `alive` rows of the draft buffers; the rest repeat
+        the last of them."""
+        return self.runner.batch
 
     @property
     def dummy(self) -> int:
@@ -75,11 +79,9 @@ class StreamingSelfDrafter:
         b = runner.batch
         # one set of buffers per batch size, kept: a compiled graph holds on to the buffers it was traced with
         # (a fresh cache of the same shape would pass its guards while the graph kept writing the old one)
-        cache = self._caches.get(b)
-        if cache is None or cache.layers[0].keys.shape[0] != b:  # eager keep_rows() shrinks a cache's buffers
-            cache = self._caches[b] = static_cache(self.model, b, self.capacity)
-        self.cache = cache
-        self.alive = b
+        if b not in self._caches:
+            self._caches[b] = static_cache(self.model, b, self.capacity)
+        self.cache = self._caches[b]
         self.slot_pos = torch.full((b, self.capacity), -1, dtype=torch.long, device=runner.device)
         self._refresh(torch.zeros_like(runner.positions), runner.positions)
 
@@ -118,15 +120,13 @@ class StreamingSelfDrafter:
         # additive mask (B, 1, 1, capacity): every held position precedes the root; the chain's slots open one
         # per depth (each draft token sees the chain so far, itself included)
         mask = to_additive((self.slot_pos >= 0)[:, None, None, :], self.cache.layers[0].keys.dtype)
-        kv_length = torch.tensor(self.capacity)
         tokens, drafted, qs = roots[pad].view(full, 1), [], []
         for d in range(self.gamma):
             mask[..., self.scratch + d] = 0
-            for layer in self.cache.layers:
-                layer.cumulative_length.fill_(self.scratch + d)
+            set_write_slot(self.cache, self.scratch + d)
             first = full not in self.compile_s
             start = time.perf_counter()
-            logits, greedy = self._step(tokens, positions + d, mask, kv_length)
+            logits, greedy = self._step(tokens, positions + d, mask, self.kv_length)
             if first:
                 self.compile_s[full] = time.perf_counter() - start
             if params.do_sample:
@@ -143,15 +143,9 @@ class StreamingSelfDrafter:
         self._refresh(self.drafted_from, self.runner.positions)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Only `rows` go on: compiled, they move to the front of the same buffers (the batch keeps its size, so
-        its graph); eager, the buffers shrink to them."""
-        if not self.compiled:
-            keep_cache_rows(self.cache, rows)
-            self.slot_pos = self.slot_pos[rows]
-            self.alive = rows.shape[0]
-            return
-        self.alive = rows.shape[0]
-        pad = rows[torch.arange(self.slot_pos.shape[0], device=rows.device).clamp_max(self.alive - 1)]
+        """Only `rows` go on: they move to the front of the same buffers (the batch keeps its size, so its
+        compiled graph)."""
+        pad = rows[torch.arange(self.slot_pos.shape[0], device=rows.device).clamp_max(rows.shape[0] - 1)]
         for layer in self.cache.layers:
             layer.keys.copy_(layer.keys.index_select(0, pad))
             layer.values.copy_(layer.values.index_select(0, pad))

@@ -66,6 +66,13 @@ def static_cache(model: nn.Module, batch: int, capacity: int) -> StaticCache:
     return cache
 
 
+def set_write_slot(cache: StaticCache, slot: int) -> None:
+    """The next tokens a forward writes into `cache` land at slots slot, slot+1, ... of every layer (transformers'
+    StaticLayer writes at its cumulative length, a tensor updated in place)."""
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(slot)
+
+
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     """The smallest bucket that holds n tokens."""
     for b in buckets:
@@ -128,8 +135,7 @@ class StaticRunner:
 
     def _set_length(self, n: int) -> None:
         self._length = n
-        for layer in self.cache.layers:
-            layer.cumulative_length.fill_(n)
+        set_write_slot(self.cache, n)
 
     # --------------------------------------------------------------------------------------------- forward
     def _forward(self, input_ids, position_ids, attention_mask, kv_length):
@@ -243,12 +249,13 @@ def own_code(method):
 
 
 def compile_setting(compile: bool | str, device: torch.device) -> bool:
-    """Whether to compile: True/False as given; "auto" compiles on CUDA only (on a 2-core CPU each step shape
-    costs ~30-45 s to compile and pays only over long runs)."""
+    """Whether to compile: True/False (or the CLI's "on"/"off") as given; "auto" compiles on CUDA only (on a
+    2-core CPU each step shape costs ~30-45 s to compile and pays only over long runs)."""
+    compile = {"on": True, "off": False}.get(compile, compile)
     if compile == "auto":
         return device.type == "cuda"
     if compile not in (True, False):
-        raise ValueError(f"compile must be 'auto', True or False, got {compile!r}")
+        raise ValueError(f"compile must be 'auto', 'on', 'off', True or False, got {compile!r}")
     return bool(compile)
 
 

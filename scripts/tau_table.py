@@ -18,8 +18,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from drafthead.paths import cache_dir  # noqa: E402

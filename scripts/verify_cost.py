@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from drafthead.hardware import cpu_flags, resolve_dtype  # noqa: E402
+from drafthead.hardware import cpu_flags, resolve_dtype, synchronizer  # noqa: E402
 from drafthead.paths import cache_dir  # noqa: E402
 from drafthead.utils import atomic_write_json  # noqa: E402
 from inference.batch_runner import BatchRunner  # noqa: E402
@@ -46,7 +46,7 @@ def measure(runner: BatchRunner, batch: int, context: int, queries: list[int], r
         chain = torch.ones(n, n, dtype=torch.bool, device=runner.device).tril().expand(batch, n, n)
         steps[n] = (tokens, depths, chain)
     times: dict[int, list[float]] = {n: [] for n in queries}
-    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    sync = synchronizer(runner.device)
     with runner.session(), torch.inference_mode():
         for n in queries:  # warm-up
             runner.verify(*steps[n])
