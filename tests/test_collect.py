@@ -124,6 +124,9 @@ def test_killed_run_resumes_to_identical_shards(tmp_path):
     folder = tmp_path / "features"
     partial = _listed_shards_are_whole(folder) if (folder / MANIFEST).exists() else {"shards": []}
     assert len(partial["shards"]) < 16  # killed mid-way
+    # A kill can land inside either atomic write; plant both kinds of leftover so the cleanup is always exercised.
+    (folder / f".{MANIFEST}.killed.tmp").write_text("{")
+    (folder / f".{shard_name(15)}.killed.tmp").write_bytes(b"partial")
 
     code, out = _run(recipe)
     assert code == 0, out

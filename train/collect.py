@@ -111,6 +111,8 @@ def collect_split(
     header = {**header, "aux_layer_ids": list(aux_layer_ids), "last_layer_id": last_layer_id,
               "dtype": dtype_name(FEATURE_DTYPE), "shard_sequences": shard_sequences, "num_sequences_planned": num}
     with manifest_lock(folder):
+        for stale in folder.glob(f".{MANIFEST}.*.tmp"):  # a run killed mid-write; under the lock no one else writes it
+            stale.unlink(missing_ok=True)
         writer = FeatureWriter(folder, header)
         _reload(writer)
         if num_shards == 0 and rank == 0 and not (folder / MANIFEST).exists():
