@@ -81,6 +81,25 @@ def test_matmul_attention_matches_eager_attention():
     torch.testing.assert_close(ours, ref)
 
 
+@pytest.mark.parametrize("used", [10, 40])  # 4 queries: a short prefix is sliced, a long one reads the whole buffer
+def test_matmul_attention_reads_only_the_used_prefix_of_a_buffer(used):
+    """Slots after `drafthead_kv_length` hold stale values and are masked: the result is attention over the used
+    prefix alone, whether the kernel slices the prefix or reads the whole buffer."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = 3, False
+    q, k, v = torch.randn(2, 9, 4, 16), torch.randn(2, 3, 48, 16), torch.randn(2, 3, 48, 16)
+    k[:, :, used:], v[:, :, used:] = 1e4, -1e4  # stale, large: any leak shows
+    mask = torch.zeros(2, 1, 4, 48)
+    mask[..., used:] = torch.finfo(torch.float32).min
+    mask[1, ..., :3] = torch.finfo(torch.float32).min  # a left-padded row
+    ours, _ = matmul_attention(module, q, k, v, mask, scaling=0.25, drafthead_kv_length=torch.tensor(used))
+    ref, _ = eager_attention_forward(module, q, k[:, :, :used], v[:, :, :used], mask[..., :used], scaling=0.25)
+    torch.testing.assert_close(ours, ref)
+
+
 def test_bf16_static_runner_uses_matmul_attention_and_restores_the_model():
     target = tiny_model("llama", dtype=torch.bfloat16)
     gen = SpeculativeGenerator(target, oracle_head(target).to(torch.bfloat16).attach_target(target), tree="chain",
