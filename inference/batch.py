@@ -39,6 +39,7 @@ def decode_batch(runner: BatchRunner, drafter: BatchDrafter, input_ids: torch.Te
     rows = list(range(input_ids.shape[0]))  # original row of each row in the batch
     done = [False] * len(rows)  # finished rows still in the batch (verified, never committed)
     new: list[list[int]] = [[] for _ in rows]
+    stats.rows_steps = [0] * len(rows)
     batches = [[t] for t in roots.tolist()]
     empty = torch.zeros(0, dtype=torch.long, device=roots.device)
     while True:
@@ -77,6 +78,8 @@ def decode_batch(runner: BatchRunner, drafter: BatchDrafter, input_ids: torch.Te
         sync()
         stats.target_forwards += 1
         stats.accept_lengths += [len(b) for b, d in zip(batches, done) if not d]
+        for row, d in zip(rows, done):
+            stats.rows_steps[row] += not d
         stats.draft_time_s += t1 - t0
         stats.verify_time_s += time.perf_counter() - t1
     return new

@@ -128,7 +128,8 @@ def run_group(runner: BatchRunner, drafters: dict, rows: list[dict], max_new: in
             new, stats, total = decode(drafter, max_new)
             out[name]["runs"].append(dict(rows=new, decode_s=total - stats.prefill_time_s,  # minus the begin
                                           begin_s=stats.prefill_time_s, steps=stats.target_forwards - 1,
-                                          accept=stats.accept_lengths, draft_s=stats.draft_time_s,
+                                          accept=stats.accept_lengths, rows_steps=stats.rows_steps,
+                                          draft_s=stats.draft_time_s,
                                           verify_s=stats.verify_time_s))
     for result in out.values():  # the run of median decode time stands for the method (greedy: same tokens)
         runs = sorted(result.pop("runs"), key=lambda r: r["decode_s"])
@@ -147,6 +148,8 @@ def summarise_cell(groups: list[dict], names: list[str], b: int, context: int) -
         accept = [a for g in runs for a in g["accept"]]
         m = dict(tokens=tokens, decode_s=round(decode_s, 3), tokens_per_s=tokens / decode_s,
                  tau=sum(accept) / max(len(accept), 1), steps=steps,
+                 # a batch decodes until its slowest row is done: steps against what its rows needed on average
+                 row_steps_mean=sum(sum(g["rows_steps"]) / len(g["rows_steps"]) for g in runs),
                  step_ms=1000 * decode_s / max(steps, 1),
                  draft_ms_per_step=1000 * sum(g["draft_s"] for g in runs) / max(steps, 1),
                  verify_ms_per_step=1000 * sum(g["verify_s"] for g in runs) / max(steps, 1),

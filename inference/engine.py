@@ -64,6 +64,7 @@ class GenerationStats:
     drafted_by: dict[str, int] = field(default_factory=dict)
     accepted_by: dict[str, int] = field(default_factory=dict)
     rows_new_tokens: list[int] = field(default_factory=list)  # batch: new tokens of each row
+    rows_steps: list[int] = field(default_factory=list)  # batch: verifications each row took until it stopped
     prefill_time_s: float = 0.0  # batch: prompt forward + the drafter's begin (inside verify_time_s for one row)
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0  # target forwards (prefill included) + verification + cache compaction

@@ -84,6 +84,11 @@ def test_batch_rows_that_hit_eos_stop_there():
         ends = [alone[i].index(eos) + 1 if eos in alone[i] else 30 for i in range(4)]
         assert out.stats.rows_new_tokens == ends, name
         assert len(set(ends)) > 1
+        steps = out.stats.rows_steps  # the batch verifies until its slowest row is done; each row counts its own
+        assert max(steps) == out.stats.target_forwards - 1 and sum(steps) == len(out.stats.accept_lengths), name
+        assert all(s <= e - 1 for s, e in zip(steps, ends)), name  # the first token comes from the prefill
+        if name == "plain":
+            assert steps == [e - 1 for e in ends]
         assert_rows_match(gen, target, rows, max_new=30, eos=eos)
 
 
