@@ -69,6 +69,11 @@ class HeadRunner:
         if old:
             keys[:, :, :old] = self.cache.keys
             values[:, :, :old] = self.cache.values
+        if self.compiled and self.device.type == "cuda" and not torch.compiler.is_compiling():
+            # a fixed address the compiled steps write into in place: without it CUDA graphs are skipped (the
+            # buffers would count as mutated graph inputs) and every drafting depth pays its kernel launches
+            torch._dynamo.mark_static_address(keys)
+            torch._dynamo.mark_static_address(values)
         self.cache.keys, self.cache.values = keys, values
 
     def mask(self, allowed: torch.Tensor, start: int) -> torch.Tensor:

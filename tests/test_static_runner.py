@@ -154,12 +154,21 @@ def test_compiled_runner_is_lossless_without_recompiles():
 def test_cuda_graph_capture_is_lossless():
     target = near_bigram_target("llama").cuda()
     head = oracle_head(target).cuda().attach_target(target)
-    gen = SpeculativeGenerator(target, head, tree="chain", compile=True)
-    gen.warmup(64)
-    for ids in prompts(4, 320, seed=4):
-        ids = ids.cuda()
-        ref = target.generate(ids, do_sample=False, max_new_tokens=20)
-        assert torch.equal(gen.generate(ids, max_new_tokens=20).sequences, ref)
+    import torch._inductor.config
+    from torch._dynamo.utils import counters
+
+    # caches off: a graph served from inductor's cache is not re-checked, so a skip would go uncounted
+    with torch._inductor.config.patch(force_disable_caches=True):
+        gen = SpeculativeGenerator(target, head, tree="chain", compile=True)
+        skips = counters["inductor"]["cudagraph_skips"]
+        gen.warmup(64)
+        for ids in prompts(4, 320, seed=4):
+            ids = ids.cuda()
+            ref = target.generate(ids, do_sample=False, max_new_tokens=20)
+            assert torch.equal(gen.generate(ids, max_new_tokens=20).sequences, ref)
+    # every compiled step (the target's verify buckets and the head's drafting depths) ran as a CUDA graph: a KV
+    # buffer written in place without a static address makes inductor skip the graph (and pay every launch)
+    assert counters["inductor"]["cudagraph_skips"] == skips
 
 
 @pytest.mark.slow
