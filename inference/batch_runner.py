@@ -29,13 +29,11 @@ import torch.nn as nn
 from torch.nn.utils.rnn import pad_sequence
 from transformers import StaticCache
 
-from drafthead.capture import HiddenStateCapture
 from drafthead.masks import to_additive
 
-from .attention import NAME as MATMUL_ATTENTION
-from .attention import PREFILL_NAME, attention_implementation, kv_length_kwargs, prefers_matmul_attention
+from .attention import PREFILL_NAME, attention_implementation, kv_length_kwargs
 from .slots import copy_rows
-from .static_runner import buffer_capacity, set_write_slot, static_cache, static_cache_supported
+from .static_runner import attach_target, buffer_capacity, set_write_slot, static_cache
 
 PREFILL_CHUNK = 512
 
@@ -58,16 +56,8 @@ class BatchRunner:
     head reads ([] for none)."""
 
     def __init__(self, model: nn.Module, feature_layers: list[int], prefill_chunk: int = PREFILL_CHUNK):
-        reason = static_cache_supported(model)
-        if reason is not None:
-            raise NotImplementedError(f"batched decoding runs on static KV buffers, which do not support {reason}")
-        self.model = model
-        self.feature_layers = list(feature_layers)
-        self.capture = HiddenStateCapture(model, self.feature_layers).attach() if self.feature_layers else None
-        self.dtype = next(model.parameters()).dtype
-        self.device = next(model.parameters()).device
+        attach_target(self, model, feature_layers, "batched decoding runs on static KV buffers, which do not support")
         self.prefill_chunk = prefill_chunk
-        self.attention = MATMUL_ATTENTION if prefers_matmul_attention(self.device, self.dtype) else None
         self.cache: StaticCache | None = None
         self.capacity = 0
         self.slot_ids = torch.zeros(0, dtype=torch.long, device=self.device)  # arange(capacity)

@@ -73,6 +73,21 @@ def set_write_slot(cache: StaticCache, slot: int) -> None:
         layer.cumulative_length.fill_(slot)
 
 
+def attach_target(runner, model: nn.Module, feature_layers: list[int], refusal: str) -> None:
+    """The part of a static-buffer runner's set-up every runner shares: refuse a model the buffers cannot serve
+    (NotImplementedError starting with `refusal`), then set runner.model, .feature_layers, .capture (hooks on those
+    decoder layers, or None), .dtype, .device and .attention (the kernel switched in per session; attention.py)."""
+    reason = static_cache_supported(model)
+    if reason is not None:
+        raise NotImplementedError(f"{refusal} {reason}")
+    runner.model = model
+    runner.feature_layers = list(feature_layers)
+    runner.capture = HiddenStateCapture(model, runner.feature_layers).attach() if runner.feature_layers else None
+    runner.dtype = next(model.parameters()).dtype
+    runner.device = next(model.parameters()).device
+    runner.attention = MATMUL_ATTENTION if prefers_matmul_attention(runner.device, runner.dtype) else None
+
+
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     """The smallest bucket that holds n tokens."""
     for b in buckets:
@@ -86,18 +101,9 @@ class StaticRunner:
 
     def __init__(self, model: nn.Module, feature_layers: list[int], compile: bool = False,
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS, capacity: int = MIN_CAPACITY):
-        reason = static_cache_supported(model)
-        if reason is not None:
-            raise NotImplementedError(f"static KV buffers do not support {reason}")
-        self.model = model
-        self.feature_layers = list(feature_layers)
-        self.capture = HiddenStateCapture(model, self.feature_layers).attach() if self.feature_layers else None
-        self.dtype = next(model.parameters()).dtype
-        self.device = next(model.parameters()).device
+        attach_target(self, model, feature_layers, "static KV buffers do not support")
         self.buckets = tuple(sorted(buckets))
         self.compiled = compile
-        # attention kernel while this runner decodes (see attention.py); switched per session, then restored
-        self.attention = MATMUL_ATTENTION if prefers_matmul_attention(self.device, self.dtype) else None
         self.compile_s: dict[int, float] = {}  # bucket -> seconds of its first (compiling) call
         self.cache: StaticCache | None = None
         self.capacity = 0
