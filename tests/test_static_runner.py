@@ -152,11 +152,11 @@ def test_compiled_runner_is_lossless_without_recompiles():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_cuda_graph_capture_is_lossless():
-    target = near_bigram_target("llama").cuda()
-    head = oracle_head(target).cuda().attach_target(target)
     import torch._inductor.config
     from torch._dynamo.utils import counters
 
+    target = near_bigram_target("llama").cuda()
+    head = oracle_head(target).cuda().attach_target(target)
     # caches off: a graph served from inductor's cache is not re-checked, so a skip would go uncounted
     with torch._inductor.config.patch(force_disable_caches=True):
         gen = SpeculativeGenerator(target, head, tree="chain", compile=True)
