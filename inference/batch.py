@@ -1,19 +1,24 @@
 """The batched decoding loop: every row drafts its tree, the target verifies all rows' trees in ONE forward, each
-row keeps its own accepted path, and rows that stop leave the batch.
+row keeps its own accepted path, and rows that stop leave the batch — or, with a queue of waiting requests
+(continuous batching), hand their row to the next request.
 
 Host syncs per step, each needed: each row's accepted tokens (`.tolist()`: stop checks), each row's accepted path
 (`nonzero` in verify_greedy; sampling walks the tree on the host), the longest row (the runner's write slot), and
 on CUDA the timers. Per-row work on the host is a loop over at most B rows of a few small ops.
 
-A row that stops stays in the batch, verified but never committed, until the finished rows are half the batch;
-then they all leave every buffer at once (one copy of the KV buffers pays for itself when it halves every later
-step, while dropping each row as it ends could copy the buffers once per row).
+A row that stops takes the next waiting request, if any: its prefilled KV is copied into the row (runner.admit)
+and the drafter starts that row afresh (drafter.admit), so the batch stays full while requests wait and no row
+waits for the slowest one. Without waiting requests, a row that stops stays in the batch, verified but never
+committed, until the finished rows are half the batch; then they all leave every buffer at once (one copy of the
+KV buffers pays for itself when it halves every later step, while dropping each row as it ends could copy the
+buffers once per row).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -23,12 +28,28 @@ from .sampling import SamplingParams, pick_next, target_probs
 from .verify import verify_greedy, verify_sampling
 
 
+@dataclass
+class Request:
+    """A prefilled request waiting for a row: its prompt `ids` (T,), the target's KV of the prompt (per layer
+    (keys, values), each (1, kv_heads, T, head_dim): BatchRunner.export_rows), the prompt's last logits (V,) and
+    the head's features (T, F) or None, and the stop conditions of its row."""
+
+    ids: torch.Tensor
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    logits: torch.Tensor
+    features: torch.Tensor | None
+    stopper: Any
+
+
 def decode_batch(runner: BatchRunner, drafter: BatchDrafter, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  params: SamplingParams, stoppers: list[Any], generator: torch.Generator | None,
-                 stats: Any, sync: Callable[[], None], prefilled: tuple | None = None) -> list[list[int]]:
-    """Decode every row of left-padded `input_ids` (B, T) until its stopper says so. Returns each row's new
-    tokens; fills `stats` (per-row accepted lengths, draft and verify time, prefill_time_s). `prefilled`: the
-    (logits, features) of runner.prefill() already run on these rows (a benchmark reusing one prefill)."""
+                 stats: Any, sync: Callable[[], None], prefilled: tuple | None = None,
+                 waiting: Iterator[Request] | None = None) -> list[list[int]]:
+    """Decode every row of left-padded `input_ids` (B, T) until its stopper says so, then each `waiting` request in
+    the first row that frees up. Returns the new tokens of each row, then of each admitted request in admission
+    order; fills `stats` (per-row accepted lengths and steps, draft and verify time, admit_time_s,
+    prefill_time_s). `prefilled`: the (logits, features) of runner.prefill() already run on these rows (a
+    benchmark reusing one prefill)."""
     t0 = time.perf_counter()
     logits, features = prefilled if prefilled is not None else runner.prefill(input_ids, attention_mask)
     roots = pick_next(logits, params, generator)  # (B,)
@@ -36,21 +57,45 @@ def decode_batch(runner: BatchRunner, drafter: BatchDrafter, input_ids: torch.Te
     sync()
     stats.target_forwards += 1
     stats.prefill_time_s = time.perf_counter() - t0
-    rows = list(range(input_ids.shape[0]))  # original row of each row in the batch
+    stoppers = list(stoppers)
+    rows = list(range(input_ids.shape[0]))  # the request each row of the batch decodes
     done = [False] * len(rows)  # finished rows still in the batch (verified, never committed)
     new: list[list[int]] = [[] for _ in rows]
     stats.rows_steps = [0] * len(rows)
     batches = [[t] for t in roots.tolist()]
     empty = torch.zeros(0, dtype=torch.long, device=roots.device)
+
+    def settle(k: int) -> None:  # row k's new tokens, up to where its request stops
+        keep = stoppers[rows[k]].cut(new[rows[k]], batches[k])
+        new[rows[k]] += batches[k] if keep is None else batches[k][:keep]
+        done[k] = keep is not None
+
     while True:
-        for k, row in enumerate(rows):
+        for k in range(len(rows)):
             if not done[k]:
-                keep = stoppers[row].cut(new[row], batches[k])
-                new[row] += batches[k] if keep is None else batches[k][:keep]
-                done[k] = keep is not None
+                settle(k)
+        while waiting is not None and any(done):  # continuous batching: a finished row takes the next request
+            request = next(waiting, None)
+            if request is None:
+                waiting = None
+                break
+            a0 = time.perf_counter()
+            k = done.index(True)
+            runner.admit(k, request.kv)
+            drafter.admit(k, runner, request.ids, request.features)
+            root = pick_next(request.logits[None], params, generator)
+            roots = roots.clone()
+            roots[k] = root[0]
+            rows[k], batches[k] = len(new), [int(root[0])]
+            new.append([])
+            stoppers.append(request.stopper)
+            stats.rows_steps.append(0)
+            settle(k)
+            sync()
+            stats.admit_time_s += time.perf_counter() - a0
         if all(done):
             break
-        if 2 * sum(done) >= len(rows):  # finished rows leave every buffer once they are half the batch
+        if waiting is None and 2 * sum(done) >= len(rows):  # finished rows leave every buffer at half the batch
             alive = [k for k in range(len(rows)) if not done[k]]
             index = torch.tensor(alive, device=roots.device)
             runner.keep_rows(index)
@@ -83,4 +128,3 @@ def decode_batch(runner: BatchRunner, drafter: BatchDrafter, input_ids: torch.Te
         stats.draft_time_s += t1 - t0
         stats.verify_time_s += time.perf_counter() - t1
     return new
-

@@ -10,7 +10,9 @@ every method starts from a copy of the same batch (the prefill is reported apart
 very same rows. Each method first decodes a few tokens of the batch as a warm-up (a compiled self-draft compiles
 there; reported as warmup_s), then `--repeats` times in turn with the other methods; its median run is reported
 (all decode times kept as decode_s_runs). Decoding runs `--max-new-tokens` per row without eos
-(fixed-length throughput, as MagicDec measures). Reported per method: decode tokens/s (all rows), speedup over
+(fixed-length throughput, as MagicDec measures). With `--continuous` a cell is one queue of requests flowing
+through B rows (continuous batching, as a server runs: a row that finishes takes the next prefilled request at
+once, so no row waits for the batch's slowest), the same queue for every method. Reported per method: decode tokens/s (all rows), speedup over
 plain batched decoding in the same cell, τ (tokens per row per verification), cost per step (draft and verify),
 the drafter's begin time (feeding the prompt to a head), and the cell's peak RSS. Greedy outputs are checked
 against plain decoding row by row. Writes one JSON (rewritten after every cell) and a PNG.
@@ -29,7 +31,7 @@ import torch
 from drafthead import load_head
 from drafthead.hardware import cpu_flags, resolve_dtype
 
-from .batch import decode_batch
+from .batch import Request, decode_batch
 from .batch_head import BatchHeadDrafter
 from .batch_runner import BatchRunner
 from .batch_tree import PlainBatchDrafter
@@ -96,14 +98,18 @@ def prefill_rows(runner: BatchRunner, prompts: list[list[int]], room: int, group
     return rows, time.perf_counter() - t0
 
 
-def run_group(runner: BatchRunner, drafters: dict, rows: list[dict], max_new: int, repeats: int = 1) -> dict:
+def run_group(runner: BatchRunner, drafters: dict, rows: list[dict], max_new: int, repeats: int = 1,
+              waiting: list[dict] = ()) -> dict:
     """Load one group of prefilled rows, then decode it with every drafter from a copy of that KV, `repeats` times
-    in turn; each method's figures are those of its median run (all its runs' decode times are kept)."""
+    in turn; each method's figures are those of its median run (all its runs' decode times are kept). `waiting`:
+    more prefilled rows, each taking the first row of the batch that frees up (continuous batching; the copy of its
+    KV into the batch and the drafter's start on it count as decode time)."""
     ids = torch.stack([row["ids"] for row in rows])
     b = ids.shape[0]
     mask = torch.ones_like(ids)
     params = SamplingParams()
-    runner.reset(b, ids.shape[1] + max_new + max(d.tree_size for d in drafters.values()))
+    longest = max(len(row["ids"]) for row in [*rows, *waiting])
+    runner.reset(b, longest + max_new + max(d.tree_size for d in drafters.values()))
     runner.load_rows(rows)
     features = torch.stack([row["features"] for row in rows]) if rows[0]["features"] is not None else None
     prefilled = (torch.stack([row["logits"] for row in rows]), features)
@@ -114,22 +120,24 @@ def run_group(runner: BatchRunner, drafters: dict, rows: list[dict], max_new: in
         runner.restore(state)
         stats = GenerationStats()
         stoppers = [Stopper(set(), [], None, new_tokens) for _ in range(b)]
+        queue = (Request(row["ids"], row["kv"], row["logits"], row["features"], Stopper(set(), [], None, new_tokens))
+                 for row in waiting)
         t0 = time.perf_counter()
         with runner.session(), torch.inference_mode():
             new = decode_batch(runner, drafter, ids, mask, params, stoppers, None, stats, lambda: None,
-                               prefilled=prefilled)
+                               prefilled=prefilled, waiting=queue if waiting else None)
         return new, stats, time.perf_counter() - t0
 
     for name, drafter in drafters.items():
         # warm-up: two steps (a compiled drafter compiles its step here), timed apart from the decode
-        out[name] = dict(warmup_s=decode(drafter, 2 * drafter.tree_size)[2], runs=[])
+        out[name] = dict(warmup_s=decode(drafter, 2 * drafter.tree_size)[2], runs=[])  # (admissions too)
     for _ in range(repeats):  # the methods take turns, so a slow spell of a shared machine hits them alike
         for name, drafter in drafters.items():
             new, stats, total = decode(drafter, max_new)
             out[name]["runs"].append(dict(rows=new, decode_s=total - stats.prefill_time_s,  # minus the begin
                                           begin_s=stats.prefill_time_s, steps=stats.target_forwards - 1,
                                           accept=stats.accept_lengths, rows_steps=stats.rows_steps,
-                                          draft_s=stats.draft_time_s,
+                                          draft_s=stats.draft_time_s, admit_s=stats.admit_time_s,
                                           verify_s=stats.verify_time_s))
     for result in out.values():  # the run of median decode time stands for the method (greedy: same tokens)
         runs = sorted(result.pop("runs"), key=lambda r: r["decode_s"])
@@ -139,7 +147,7 @@ def run_group(runner: BatchRunner, drafters: dict, rows: list[dict], max_new: in
 
 def summarise_cell(groups: list[dict], names: list[str], b: int, context: int) -> dict:
     """Per-method figures of one cell from its groups; greedy rows compared with plain decoding."""
-    cell = {"context": context, "batch": b, "prompts": b * len(groups), "methods": {}}
+    cell = {"context": context, "batch": b, "prompts": sum(len(g[names[0]]["rows"]) for g in groups), "methods": {}}
     for name in names:
         runs = [g[name] for g in groups]
         tokens = sum(len(r) for g in runs for r in g["rows"])
@@ -149,7 +157,9 @@ def summarise_cell(groups: list[dict], names: list[str], b: int, context: int) -
         m = dict(tokens=tokens, decode_s=round(decode_s, 3), tokens_per_s=tokens / decode_s,
                  tau=sum(accept) / max(len(accept), 1), steps=steps,
                  # a batch decodes until its slowest row is done: steps against what its rows needed on average
-                 row_steps_mean=sum(sum(g["rows_steps"]) / len(g["rows_steps"]) for g in runs),
+                 # (continuous batching: the requests' steps shared among the batch's rows)
+                 row_steps_mean=sum(sum(g["rows_steps"]) / b for g in runs),
+                 admit_s=round(sum(g["admit_s"] for g in runs), 3),
                  step_ms=1000 * decode_s / max(steps, 1),
                  draft_ms_per_step=1000 * sum(g["draft_s"] for g in runs) / max(steps, 1),
                  verify_ms_per_step=1000 * sum(g["verify_s"] for g in runs) / max(steps, 1),
@@ -182,11 +192,12 @@ def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
     result = {"target": str(args.target), "draft": str(args.draft), "device": str(device), "dtype": str(dtype),
               "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
               "tree": str(tree_options(args.tree)), "compile": args.compile, "sink": args.sink, "window": args.window,
-              "gamma": args.gamma, "repeats": args.repeats,
+              "gamma": args.gamma, "repeats": args.repeats, "continuous": args.continuous,
               "methods": {n: BATCH_METHODS[n] for n in names}, "cells": []}
     room = args.max_new_tokens + max(d.tree_size for d in drafters.values())
     for context in args.contexts:
-        prompts = long_prompts(tokenizer, context, max(max(args.batch_sizes), args.prompts_per_cell), task=args.task)
+        distinct = max(args.batch_sizes) if args.continuous else max(max(args.batch_sizes), args.prompts_per_cell)
+        prompts = long_prompts(tokenizer, context, distinct, task=args.task)
         peak_rss_reset()
         rows, seconds = prefill_rows(runner, prompts, room)
         result.setdefault("prefill", {})[str(context)] = {"prompts": len(rows), "seconds": round(seconds, 1),
@@ -194,9 +205,13 @@ def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
         print(f"context {context}: prefilled {len(rows)} prompts in {seconds:.0f} s", flush=True)
         for b in args.batch_sizes:
             peak_rss_reset()
-            groups = [run_group(runner, drafters, [rows[(g * b + i) % len(rows)] for i in range(b)],
-                                args.max_new_tokens, args.repeats)
-                      for g in range(math.ceil(args.prompts_per_cell / b))]
+            if args.continuous:  # one queue of requests through b rows
+                queue = [rows[i % len(rows)] for i in range(max(args.prompts_per_cell, b))]
+                groups = [run_group(runner, drafters, queue[:b], args.max_new_tokens, args.repeats, queue[b:])]
+            else:
+                groups = [run_group(runner, drafters, [rows[(g * b + i) % len(rows)] for i in range(b)],
+                                    args.max_new_tokens, args.repeats)
+                          for g in range(math.ceil(args.prompts_per_cell / b))]
             cell = summarise_cell(groups, names, b, context)
             cell["peak_rss_mb"] = peak_rss_mb()  # the cell's batch buffers, its snapshot and every stored row
             result["cells"].append(cell)
@@ -246,6 +261,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--contexts", default="2048,4096,8192")
     g.add_argument("--batch-sizes", default="1,4,8,16")
     g.add_argument("--prompts-per-cell", type=int, default=4)
+    g.add_argument("--continuous", action="store_true",
+                   help="continuous batching: the cell's --prompts-per-cell requests (the max batch size of distinct "
+                        "prompts, repeated) flow through B rows, each row taking the next request as it finishes")
     g.add_argument("--batch-methods", default=",".join(BATCH_METHODS),
                    help="comma list of: " + "; ".join(f"{k}: {v}" for k, v in BATCH_METHODS.items()))
     g.add_argument("--sink", type=int, default=4, help="attention-sink positions of a streaming draft KV")

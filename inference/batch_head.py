@@ -29,6 +29,11 @@ from .tree import TreeOptions, expand_tree, select_tree
 FEED_CHUNK = 256  # pairs per head forward when feeding a prompt
 
 
+def widen(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t (B, m, ...) padded with zeros (False) along dim 1 to `width` columns (m <= width)."""
+    return torch.cat([t, t.new_zeros((t.shape[0], width - t.shape[1], *t.shape[2:]))], dim=1)
+
+
 class RowSlotCache:
     """Duck-types transformers' `cache.update(keys, values, layer_idx)`: writes each row's new entries at its own
     `slots` (B, n), set before each forward, and returns the whole buffers (B, kv_heads, S, head_dim)."""
@@ -121,6 +126,31 @@ class BatchHeadDrafter:
         self.slot_pos, self.next_pos = self.slot_pos[rows], self.next_pos[rows]
         self.pending = {k: v[rows] for k, v in self.pending.items()}
 
+    @torch.inference_mode()
+    def admit(self, row: int, runner, ids: torch.Tensor, features: torch.Tensor) -> None:
+        """Row `row` holds a new prompt (ids (T,), features (T, F)): its pairs the layout keeps are fed now on
+        that row alone, but the last one (its token is the root) waits with the other rows' pending pairs."""
+        t = ids.shape[0]
+        device = features.device
+        positions, valid = self.layout.needed(torch.zeros(1, dtype=torch.long, device=device),
+                                              torch.tensor([t], device=device))  # (1, M), all valid, ascending
+        feats = features[positions.clamp(max=t - 1)]
+        tokens = ids.to(device)[(positions + 1).clamp(max=t - 1)]
+        full = self.cache, self.slot_pos
+        self.cache = RowSlotCache(full[0].keys[row: row + 1], full[0].values[row: row + 1])  # views of the row
+        self.slot_pos = full[1][row: row + 1]
+        self.slot_pos.fill_(-1)
+        self._feed_pairs(tokens[:, :-1], feats[:, :-1], positions[:, :-1], valid[:, :-1])
+        self.cache, self.slot_pos = full
+        self.next_pos[row] = t - 1
+        mine = dict(features=feats[:, -1:], tokens=tokens[:, -1:], positions=positions[:, -1:], valid=valid[:, -1:],
+                    is_root=valid[:, -1:])
+        width = max(self.pending["tokens"].shape[1], 1)
+        for key, value in mine.items():
+            merged = widen(self.pending[key], width)
+            merged[row] = widen(value, width)[0]
+            self.pending[key] = merged
+
     # ------------------------------------------------------------------------------ head passes
     def _forward(self, tokens, hidden, positions, valid) -> torch.Tensor:
         """True pairs (B, m) at their rows' slots; each attends the row's held pairs up to its own position.
@@ -139,21 +169,27 @@ class BatchHeadDrafter:
         (B, 1, H) and that output's top-k (log-probs (B, k), target ids (B, k)): depth 1 of the tree."""
         p = self.pending
         tokens = torch.where(p["is_root"], roots[:, None], p["tokens"])
-        count = p["valid"].sum(dim=1)
+        last = self._feed_pairs(tokens, p["features"], p["positions"], p["valid"])
+        fed = torch.where(p["valid"], p["positions"], -1).max(dim=1).values + 1
+        self.next_pos = torch.where(p["valid"].any(dim=1), fed, self.next_pos)  # a finished row feeds nothing
+        scores, ids = head_top_k(self.head, last[:, 0], self.opt.top_k)
+        return last, scores, ids
+
+    def _feed_pairs(self, tokens, features, positions, valid) -> torch.Tensor | None:
+        """Feed true pairs (B, m), valid ones first in each row, in chunks. Returns each row's head output at its
+        last valid pair (B, 1, H); None when m is 0."""
+        count = valid.sum(dim=1)
         chunk = min(FEED_CHUNK, self.layout.window or FEED_CHUNK)  # a chunk never wraps the ring onto itself
         last = None
         for c0 in range(0, tokens.shape[1], chunk):
             part = slice(c0, c0 + chunk)
-            out = self._forward(tokens[:, part], self.head.fuse(p["features"][:, part].to(self.dtype)),
-                                p["positions"][:, part], p["valid"][:, part])
+            out = self._forward(tokens[:, part], self.head.fuse(features[:, part].to(self.dtype)),
+                                positions[:, part], valid[:, part])
             at = count - 1 - c0  # each row's last pair, if it is in this chunk
             pick = out.gather(1, at.clamp(0, out.shape[1] - 1)[:, None, None].expand(-1, 1, out.shape[-1]))
             inside = ((at >= 0) & (at < out.shape[1]))[:, None, None]
             last = pick if last is None else torch.where(inside, pick, last)
-        fed = torch.where(p["valid"], p["positions"], -1).max(dim=1).values + 1
-        self.next_pos = torch.where(count > 0, fed, self.next_pos)  # a finished row feeds nothing
-        scores, ids = head_top_k(self.head, last[:, 0], self.opt.top_k)
-        return last, scores, ids
+        return last
 
     def _draft(self, roots, last, scores, tokens) -> BatchTree:
         """Expand every row's tree depth by depth (tree.expand_tree: one head forward per depth for the batch);

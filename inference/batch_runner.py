@@ -11,7 +11,8 @@ Layout of one row in the (B, kv_heads, capacity, head_dim) buffers (transformers
 - commit() copies each row's accepted nodes down to its own length (one gather + one scatter per layer for the
   whole batch), so a row's committed tokens stay contiguous and the hole never outlives a step: the buffers never
   fragment, and nothing needs re-packing while rows are alive.
-- keep_rows() drops finished rows from every buffer (rows that stop stop costing compute).
+- keep_rows() drops finished rows from every buffer (rows that stop stop costing compute); admit() puts a waiting
+  request's prefilled KV into a finished row instead (continuous batching).
 
 Prompts are prefilled in chunks under SDPA over the used prefix of the buffers (fused and memory-efficient for
 long query blocks); the short verify steps use the same attention kernel as the single-sequence fast runner
@@ -125,6 +126,7 @@ class BatchRunner:
                                 for k, v in self.layers()]})
         return rows
 
+    @torch.inference_mode()
     def load_rows(self, rows: list[dict]) -> None:
         """Fill a reset() batch with rows from export_rows(), row i's entries from slot 0."""
         lengths = []
@@ -135,6 +137,19 @@ class BatchRunner:
             lengths.append(row["kv"][0][0].shape[2])
         self.start = torch.zeros(len(rows), dtype=torch.long, device=self.device)
         self.length = torch.tensor(lengths, dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def admit(self, row: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Row `row` now holds another request: its prompt's entries `kv` (per layer (keys, values), each
+        (1, kv_heads, T, head_dim), as export_rows() gives them) from slot 0."""
+        t = kv[0][0].shape[2]
+        if t >= self.scratch:
+            raise RuntimeError(f"a {t}-token request does not fit the KV buffers ({self.capacity} slots)")
+        for (keys, values), (k, v) in zip(self.layers(), kv):
+            keys[row, :, :t] = k[0]
+            values[row, :, :t] = v[0]
+        index = torch.tensor([row], device=self.device)
+        self.start, self.length = self.start.index_fill(0, index, 0), self.length.index_fill(0, index, t)
 
     def session(self) -> contextlib.AbstractContextManager:
         """The model dispatches attention to this runner's kernel inside it."""

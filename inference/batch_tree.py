@@ -11,6 +11,8 @@ runner's buffers (a self-speculative draft refreshes its own KV from them):
     tree = drafter.propose(roots, params, generator)           roots (B,): each row's last emitted token
     drafter.accept(paths, new_tokens, features)                after the runner committed the accepted paths
     drafter.keep_rows(rows)                                    rows finished: keep only `rows` (indices)
+    drafter.admit(row, runner, ids, features)                  row `row` holds a new prompt (ids (T,)) in the
+                                                               runner, its features (T, F) or None
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class BatchDrafter(Protocol):
 
     def keep_rows(self, rows: torch.Tensor) -> None: ...
 
+    def admit(self, row: int, runner, ids: torch.Tensor, features: torch.Tensor | None) -> None: ...
+
 
 class PlainBatchDrafter:
     """No drafts: plain batched decoding on the batch runner (the baseline)."""
@@ -98,4 +102,7 @@ class PlainBatchDrafter:
         pass
 
     def keep_rows(self, rows) -> None:
+        pass
+
+    def admit(self, row, runner, ids, features) -> None:
         pass

@@ -66,6 +66,7 @@ class GenerationStats:
     rows_new_tokens: list[int] = field(default_factory=list)  # batch: new tokens of each row
     rows_steps: list[int] = field(default_factory=list)  # batch: verifications each row took until it stopped
     prefill_time_s: float = 0.0  # batch: prompt forward + the drafter's begin (inside verify_time_s for one row)
+    admit_time_s: float = 0.0  # continuous batching: waiting requests loaded into freed rows
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0  # target forwards (prefill included) + verification + cache compaction
     total_time_s: float = 0.0

@@ -142,6 +142,13 @@ class StreamingSelfDrafter:
         """The runner has committed each row's accepted path: copy those entries into the draft buffers."""
         self._refresh(self.drafted_from, self.runner.positions)
 
+    @torch.inference_mode()
+    def admit(self, row: int, runner, ids, features) -> None:
+        """Row `row` holds a new prompt in the runner: its sinks and last `window` entries, nothing else."""
+        self.slot_pos[row] = -1
+        stop = runner.positions
+        self._refresh(stop.index_fill(0, torch.tensor([row], device=stop.device), 0), stop)
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Only `rows` go on: they move to the front of the same buffers (the batch keeps its size, so its
         compiled graph)."""

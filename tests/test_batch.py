@@ -92,6 +92,43 @@ def test_batch_rows_that_hit_eos_stop_there():
         assert_rows_match(gen, target, rows, max_new=30, eos=eos)
 
 
+def test_continuous_batching_admits_waiting_requests_losslessly():
+    """Two rows, then four waiting requests of other lengths, each taking the first row that frees up (rows stop at
+    different steps: eos): every request's fp32 greedy output equals it decoded alone, for every batched method."""
+    from inference.batch import Request, decode_batch
+    from inference.engine import GenerationStats, Stopper
+
+    target = near_bigram_target("llama")
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, target.config.vocab_size, (n,), generator=g) for n in (9, 9, 4, 13, 1, 7)]
+    alone = [target.generate(p[None], do_sample=False, max_new_tokens=20, eos_token_id=None)[0, p.shape[0]:].tolist()
+             for p in prompts]
+    eos = next(e for e in alone[0][:10] if len({a.index(e) if e in a else 20 for a in alone}) > 2)
+    ends = [a.index(eos) + 1 if eos in a else 20 for a in alone]
+    for name, gen in generators(target).items():
+        drafter = gen.batch_drafter
+        runner = gen.batch_runner
+        requests = []
+        for p in prompts[2:]:  # prefilled one by one, as a server prefills arrivals
+            runner.reset(1, p.shape[0] + 20 + drafter.tree_size)
+            with runner.session():
+                logits, features = runner.prefill(p[None])
+            kv = runner.export_rows()[0]["kv"]
+            requests.append(Request(p, kv, logits[0], None if features is None else features[0],
+                                    Stopper({eos}, [], None, 20)))
+        ids = torch.stack(prompts[:2])
+        runner.reset(2, 13 + 20 + drafter.tree_size)
+        stats = GenerationStats()
+        with runner.session():
+            new = decode_batch(runner, drafter, ids, torch.ones_like(ids), SamplingParams(),
+                               [Stopper({eos}, [], None, 20) for _ in range(2)], None, stats, lambda: None,
+                               waiting=iter(requests))
+        assert [len(r) for r in new] == ends, name
+        assert new == [a[:e] for a, e in zip(alone, ends)], name
+        assert len(stats.rows_steps) == 6 and sum(stats.rows_steps) == len(stats.accept_lengths), name
+        assert stats.admit_time_s > 0
+
+
 def test_compiled_self_draft_keeps_one_graph_as_rows_leave():
     """The compiled self-draft: rows stop at different steps (and leave the target's buffers), the draft batch
     keeps its size (one compiled graph, no recompile), and every row still ends exactly as it does alone."""
@@ -219,9 +256,14 @@ def test_grid_cell_methods_decode_the_same_rows():
         assert len(m["decode_s_runs"]) == 3 and m["decode_s_runs"] == sorted(m["decode_s_runs"])
         assert m["decode_s"] == m["decode_s_runs"][1] and m["tokens"] == 4 * 16, name
     assert cell["methods"]["self"]["greedy_match"] and cell["methods"]["self"]["tau"] > 1.5
-    for i, prompt in enumerate(prompts):
-        ref = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16)[0, 40:].tolist()
-        assert group["plain"]["rows"][i] == ref
+    refs = [target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=16)[0, 40:].tolist() for p in prompts]
+    assert group["plain"]["rows"] == refs
+    # continuous batching: two rows, the other two prompts (then the first two again) waiting for a free row
+    queue = run_group(runner, drafters, rows[:2], max_new=16, waiting=rows[2:] + rows[:2])
+    cell = summarise_cell([queue], list(drafters), b=2, context=40)
+    assert cell["prompts"] == 6 and cell["methods"]["self"]["greedy_match"]
+    assert queue["self"]["rows"] == refs[:2] + refs[2:] + refs[:2] == queue["plain"]["rows"]
+    assert cell["methods"]["self"]["admit_s"] > 0
 
 
 def test_verify_cost_script_times_every_size():
