@@ -3,12 +3,16 @@ and the eager fallback for architectures it cannot run."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from test_inference_greedy import near_bigram_target, oracle_head, prompts
 from tiny import tiny_model
 
+from drafthead import DraftHead, HeadConfig
 from inference import SpeculativeGenerator, TreeOptions
+from inference.head_runner import HeadRunner
 from inference.attention import matmul_attention
 from inference.runner import TargetRunner
 from inference.static_runner import StaticRunner
@@ -198,3 +202,19 @@ def test_compiled_runners_of_different_models_never_share_graphs():
             outs = [r.expand(*args[:3], r.mask(torch.ones(2, 2, dtype=torch.bool).tril(), 0), *args[4:])
                     for r in (eager, compiled)]
         torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_head_runner_drafts_on_matmul_attention():
+    """On CPU in bf16 the head's drafting steps attend through the matmul kernel, with the outputs of its SDPA."""
+    target = tiny_model("llama", dtype=torch.bfloat16)
+    head = DraftHead(HeadConfig.from_target_config(target.config, kind="eagle3")).to(torch.bfloat16).eval()
+    reference = copy.deepcopy(head)
+    runner, ref_runner = HeadRunner(head), HeadRunner(reference)
+    assert head.midlayer.self_attn.config._attn_implementation == "drafthead_matmul"
+    reference.midlayer.self_attn.config._attn_implementation = "sdpa"
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, target.config.vocab_size, (1, 40), generator=g)
+    features = torch.randn(1, 40, 3 * target.config.hidden_size, generator=g).to(torch.bfloat16)
+    ours, theirs = (r.feed(tokens, features, 0, k=4, pad_to=5) for r in (runner, ref_runner))
+    torch.testing.assert_close(ours[0], theirs[0], atol=0.05, rtol=0.05)  # the last output hidden (1, 1, H)
+    torch.testing.assert_close(ours[1], theirs[1], atol=0.05, rtol=0.05)  # its top-4 log-probs
