@@ -64,11 +64,14 @@ class RecordingDrafter(TreeDrafter):
         super().accept(path, new_tokens, features)
 
 
-def _median_ms(fn, reps: int, device: torch.device) -> float:
-    """Median wall ms of fn(), waiting for the device's queued work before each reading."""
+def _median_ms(fn, reps: int, device: torch.device, between=None) -> float:
+    """Median wall ms of fn(), waiting for the device's queued work before each reading; `between()` runs untimed
+    before each one."""
     sync = synchronizer(device)
     times = []
     for _ in range(reps):
+        if between is not None:
+            between()
         sync()
         start = time.perf_counter()
         fn()
@@ -114,11 +117,24 @@ def measure_draft_ms(runner, head: DraftHead, prefix: torch.Tensor, reps: int = 
                      compile: bool = False) -> dict[tuple[int, int], float]:
     """Median ms of one drafting step for each (depth, top_k): feeding the true pairs of the last verification
     (two of them; the feed is padded to depth + 1 anyway) and drafting the next tree, with the head's shared
-    HeadRunner, compiled or not like the generators that will use it."""
+    HeadRunner, compiled or not like the generators that will use it. Each timed draft follows a target step, as
+    in decoding, where the target's forward streams its weights through the CPU caches between two drafts (a 2/4
+    draft on a 2-core Zen 5 EPYC, SmolLM2's head in bf16: 1.2 ms timed back to back, 2.3-2.5 ms after a target
+    step, 2.5 ms a step inside decoding)."""
+    device = prefix.device
     with runner.session():
         runner.reset(prefix.shape[1])
         _, features = runner.prefill(prefix)
     root = prefix[0, -1:]
+    one_token = (root.view(1, 1), torch.zeros(1, dtype=torch.long, device=device),
+                 torch.ones(1, 1, dtype=torch.bool, device=device))
+    nothing = torch.zeros(0, dtype=torch.long, device=device)
+
+    def target_step():
+        with runner.session():
+            runner.verify(*one_token)
+            runner.commit(nothing, 1)
+
     start = prefix.shape[1] - 3  # the prompt fed up to here; each step re-feeds the last two pairs
     out = {}
     for top_k in TOP_KS:
@@ -133,7 +149,7 @@ def measure_draft_ms(runner, head: DraftHead, prefix: torch.Tensor, reps: int = 
                 drafter.draft(root)
 
             step()  # warm-up (and the one-time compile of this shape)
-            out[(depth, top_k)] = _median_ms(step, reps, prefix.device)
+            out[(depth, top_k)] = _median_ms(step, reps, device, between=target_step)
     return out
 
 
@@ -241,14 +257,17 @@ def auto_tree(
     plain_ms = verify_ms[0] + overhead
     options = TreeOptions(depth=depth, top_k=top_k, total_tokens=total) if tps > 1000 / plain_ms else None
     gpu = TREE_PRESETS["gpu"]
-    gpu_tau = expected_tau(records, gpu.depth, gpu.top_k, gpu.total_tokens)
-    gpu_ms = draft_ms[(gpu.depth, gpu.top_k)] + verify_cost(gpu.total_tokens) + overhead
+    gpu_tree = None  # the GPU preset's prediction, where the runner verifies a tree that large
+    if gpu.total_tokens <= max(verify_ms):
+        gpu_tau = expected_tau(records, gpu.depth, gpu.top_k, gpu.total_tokens)
+        gpu_ms = draft_ms[(gpu.depth, gpu.top_k)] + verify_cost(gpu.total_tokens) + overhead
+        gpu_tree = {"tau": gpu_tau, "step_ms": gpu_ms, "tokens_per_s": 1000 * gpu_tau / gpu_ms}
     report = {
         "runner": type(runner).__name__,
         "chosen": {"depth": depth, "top_k": top_k, "total_tokens": total} if options else "none",
         "predicted": {"tau": tau, "step_ms": step_ms, "tokens_per_s": tps},
         "predicted_plain": {"step_ms": plain_ms, "tokens_per_s": 1000 / plain_ms},
-        "predicted_gpu_tree": {"tau": gpu_tau, "step_ms": gpu_ms, "tokens_per_s": 1000 * gpu_tau / gpu_ms},
+        "predicted_gpu_tree": gpu_tree,
         "verify_ms": {str(k): v for k, v in verify_ms.items()},
         "draft_ms": {f"{d},{k}": v for (d, k), v in draft_ms.items()},
         "overhead_ms": overhead,

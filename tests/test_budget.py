@@ -1,0 +1,51 @@
+"""The tree tuner (`--tree auto`): its choice follows its own predictions, and drafts are timed as decoding runs
+them (after a target step)."""
+
+from __future__ import annotations
+
+import torch
+from test_inference_greedy import oracle_head, prompts
+from tiny import tiny_model
+
+from inference import budget
+from inference.static_runner import StaticRunner
+
+torch.set_num_threads(1)
+
+
+def test_median_ms_runs_between_before_every_timed_call():
+    calls = []
+    budget._median_ms(lambda: calls.append("timed"), 3, torch.device("cpu"), between=lambda: calls.append("between"))
+    assert calls == ["between", "timed"] * 3
+
+
+def test_draft_timings_follow_a_target_step(monkeypatch):
+    """Every timed draft comes after a one-token target step on the runner, which keeps its committed length."""
+    target = tiny_model("llama")
+    head = oracle_head(target).attach_target(target)
+    runner = StaticRunner(target, head.config.aux_layer_ids, buckets=(1, 4))
+    monkeypatch.setattr(budget, "DEPTHS", (1, 2))
+    monkeypatch.setattr(budget, "TOP_KS", (2,))
+    seen = []
+    verify = runner.verify
+    monkeypatch.setattr(runner, "verify", lambda *a, **k: seen.append(a[0].shape[1]) or verify(*a, **k))
+    prefix = prompts(1, 320, seed=3)[0].repeat(1, 4)[:, :24]
+    times = budget.measure_draft_ms(runner, head, prefix, reps=3)
+    assert set(times) == {(1, 2), (2, 2)} and all(t > 0 for t in times.values())
+    assert seen.count(1) >= 2 * 3  # three timed drafts per (depth, top_k), each after a one-token target step
+    assert runner.length == prefix.shape[1]
+
+
+def test_auto_tree_picks_a_tree_only_when_it_predicts_more_than_plain():
+    target = tiny_model("llama")
+    head = oracle_head(target).attach_target(target)
+    runner = StaticRunner(target, head.config.aux_layer_ids, buckets=(1, 4, 8, 16))
+    options, report = budget.auto_tree(target, head, prompts(2, 320, seed=4), max_new_tokens=24, verbose=False,
+                                       runner=runner)
+    plain = report["predicted_plain"]["tokens_per_s"]
+    if options is None:
+        assert report["chosen"] == "none" and report["predicted"]["tokens_per_s"] <= plain
+    else:
+        assert report["predicted"]["tokens_per_s"] > plain
+        assert report["chosen"] == {"depth": options.depth, "top_k": options.top_k,
+                                    "total_tokens": options.total_tokens}
