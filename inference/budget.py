@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -64,7 +65,8 @@ class RecordingDrafter(TreeDrafter):
         super().accept(path, new_tokens, features)
 
 
-def _median_ms(fn, reps: int, device: torch.device, between=None) -> float:
+def _median_ms(fn: Callable[[], object], reps: int, device: torch.device,
+               between: Callable[[], object] | None = None) -> float:
     """Median wall ms of fn(), waiting for the device's queued work before each reading; `between()` runs untimed
     before each one."""
     sync = synchronizer(device)

@@ -268,7 +268,8 @@ def compile_setting(compile: bool | str, device: torch.device) -> bool:
 def compile_step(fn, device: torch.device):
     """torch.compile for a fixed-shape decoding step: CUDA graphs on CUDA; on CPU inductor with frozen (oneDNN
     prepacked) weights, linears sharing an input concatenated. Measured on a 2-core AVX512-BF16 EPYC, SmolLM2-135M
-    bf16, one token: eager 39 ms, compiled 20 ms; with cpp_wrapper no faster and twice the compile time (~85 s), so it is left off."""
+    bf16, one token: eager 39 ms, compiled 20 ms; with cpp_wrapper no faster and twice the compile time (~85 s), so
+    it is left off."""
     import torch._dynamo
 
     # one graph per verify bucket (and per buffer size): allow them all without falling back to eager
