@@ -129,14 +129,10 @@ class BatchRunner:
     @torch.inference_mode()
     def load_rows(self, rows: list[dict]) -> None:
         """Fill a reset() batch with rows from export_rows(), row i's entries from slot 0."""
-        lengths = []
-        for i, row in enumerate(rows):
-            for (keys, values), (k, v) in zip(self.layers(), row["kv"]):
-                keys[i: i + 1, :, : k.shape[2]] = k
-                values[i: i + 1, :, : v.shape[2]] = v
-            lengths.append(row["kv"][0][0].shape[2])
         self.start = torch.zeros(len(rows), dtype=torch.long, device=self.device)
-        self.length = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        self.length = torch.zeros(len(rows), dtype=torch.long, device=self.device)
+        for i, row in enumerate(rows):
+            self.admit(i, row["kv"])
 
     @torch.inference_mode()
     def admit(self, row: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

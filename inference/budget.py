@@ -124,35 +124,34 @@ def measure_draft_ms(runner, head: DraftHead, prefix: torch.Tensor, reps: int = 
     draft on a 2-core Zen 5 EPYC, SmolLM2's head in bf16: 1.2 ms timed back to back, 2.3-2.5 ms after a target
     step, 2.5 ms a step inside decoding)."""
     device = prefix.device
-    with runner.session():
+    with runner.session():  # the target's attention kernel, also for the target steps between the drafts
         runner.reset(prefix.shape[1])
         _, features = runner.prefill(prefix)
-    root = prefix[0, -1:]
-    one_token = (root.view(1, 1), torch.zeros(1, dtype=torch.long, device=device),
-                 torch.ones(1, 1, dtype=torch.bool, device=device))
-    nothing = torch.zeros(0, dtype=torch.long, device=device)
+        root = prefix[0, -1:]
+        one_token = (root.view(1, 1), torch.zeros(1, dtype=torch.long, device=device),
+                     torch.ones(1, 1, dtype=torch.bool, device=device))
+        nothing = torch.zeros(0, dtype=torch.long, device=device)
 
-    def target_step():
-        with runner.session():
+        def target_step():
             runner.verify(*one_token)
             runner.commit(nothing, 1)
 
-    start = prefix.shape[1] - 3  # the prompt fed up to here; each step re-feeds the last two pairs
-    out = {}
-    for top_k in TOP_KS:
-        for depth in DEPTHS:
-            drafter = TreeDrafter(head, TreeOptions(depth=depth, top_k=top_k, total_tokens=max(TOTALS)),
-                                  head_runner_for(head, compile))
-            drafter.reset(prefix.shape[1])
-            drafter.feed(features[:, :start], prefix[:, 1: start + 1], 0)
+        start = prefix.shape[1] - 3  # the prompt fed up to here; each step re-feeds the last two pairs
+        out = {}
+        for top_k in TOP_KS:
+            for depth in DEPTHS:
+                drafter = TreeDrafter(head, TreeOptions(depth=depth, top_k=top_k, total_tokens=max(TOTALS)),
+                                      head_runner_for(head, compile))
+                drafter.reset(prefix.shape[1])
+                drafter.feed(features[:, :start], prefix[:, 1: start + 1], 0)
 
-            def step():
-                drafter.feed(features[:, start: start + 2], prefix[:, start + 1: start + 3], start)
-                drafter.draft(root)
+                def step():
+                    drafter.feed(features[:, start: start + 2], prefix[:, start + 1: start + 3], start)
+                    drafter.draft(root)
 
-            step()  # warm-up (and the one-time compile of this shape)
-            out[(depth, top_k)] = _median_ms(step, reps, device, between=target_step)
-    return out
+                step()  # warm-up (and the one-time compile of this shape)
+                out[(depth, top_k)] = _median_ms(step, reps, device, between=target_step)
+        return out
 
 
 def _ranks(values: torch.Tensor) -> torch.Tensor:
