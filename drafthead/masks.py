@@ -18,14 +18,16 @@ def to_additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask
 
 
-def buffer_mask(allowed: torch.Tensor, start: int, capacity: int, dtype: torch.dtype) -> torch.Tensor:
+def buffer_mask(allowed: torch.Tensor, start: int | torch.Tensor, capacity: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive mask (1, 1, n, capacity) over a preallocated KV buffer: every slot before `start`, then the bool
-    pattern `allowed` (n, m) in slots start..start+m-1, nothing after."""
+    pattern `allowed` (n, m) in slots start..start+m-1, nothing after. `start` may be a 0-dim tensor (a compiled
+    step then keeps one graph whatever the sequence length): the mask is arithmetic on slot offsets, no slicing."""
     n, m = allowed.shape
-    full = torch.zeros(n, capacity, dtype=torch.bool, device=allowed.device)
-    full[:, :start] = True
-    full[:, start: start + m] = allowed
-    return to_additive(full, dtype)
+    offset = torch.arange(capacity, device=allowed.device) - start  # slot - start
+    visible = offset < 0
+    if m:
+        visible = visible | ((offset < m) & allowed.index_select(1, offset.clamp(0, m - 1)))
+    return to_additive(visible.expand(n, capacity), dtype)
 
 
 def causal_allowed(q_len: int, past_len: int = 0, device: torch.device | str | None = None) -> torch.Tensor:

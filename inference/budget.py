@@ -6,7 +6,9 @@
    its rank among its siblings, its rank within its depth and its score rank, and whether it was accepted.
 3. For each candidate (depth, top_k, total_tokens), replay the recorded trees under that budget (the nodes a smaller
    tree would have kept; a path is accepted up to its first node the budget drops), giving the expected tokens per
-   step tau; choose the budget maximising tau / (draft + verify + overhead) — expected tokens per second.
+   step tau; choose the budget maximising tau / (draft + verify + overhead) — expected tokens per second. On a
+   compiled runner the drafting costs of step 1 come from the head's passes compiled piecewise (shared by every
+   shape); the best few shapes are then re-priced with their drafting step compiled whole, as decoding runs it.
 GPU-tuned trees (60 tokens) are wrong on a CPU, where verifying 16 tokens already costs ~1.7x a single step.
 """
 
@@ -33,6 +35,7 @@ CALIBRATION_TREE = TreeOptions(depth=8, top_k=10, total_tokens=80)
 DEPTHS = range(1, 9)
 TOP_KS = (1, 2, 3, 4, 6, 8, 10)
 TOTALS = tuple(range(1, 17)) + (20, 24, 28, 32, 40, 48, 56, 60, 64, 80)
+REFINED_SHAPES = 4  # compiled runner: the best shapes re-priced with their drafting step compiled whole
 
 
 @dataclass
@@ -115,20 +118,20 @@ def measure_verify_ms(runner, prefix: torch.Tensor, sizes, reps: int = 5) -> dic
 
 
 @torch.inference_mode()
-def measure_draft_ms(runner, head: DraftHead, prefix: torch.Tensor, reps: int = 5,
-                     compile: bool = False) -> dict[tuple[int, int], float]:
-    """Median ms of one drafting step for each (depth, top_k): feeding the true pairs of the last verification
-    (two of them; the feed is padded to depth + 1 anyway) and drafting the next tree, with the head's shared
-    HeadRunner, compiled or not like the generators that will use it. Each timed draft follows a target step, as
-    in decoding, where the target's forward streams its weights through the CPU caches between two drafts (a 2/4
-    draft on a 2-core Zen 5 EPYC, SmolLM2's head in bf16: 1.2 ms timed back to back, 2.3-2.5 ms after a target
-    step, 2.5 ms a step inside decoding)."""
+def measure_draft_ms(runner, head: DraftHead, prefix: torch.Tensor, trees: list[TreeOptions], reps: int = 5,
+                     compile: bool = False, whole: bool = False) -> dict[TreeOptions, float]:
+    """Median ms of one drafting step for each tree shape: feeding the true pairs of the last verification (two of
+    them; the feed is padded to depth + 1 anyway) and drafting the next tree, with the head's shared HeadRunner,
+    compiled or not like the generators that will use it; `whole`: each shape's step compiled as one graph (as
+    decoding runs it; one compile per shape), else the passes compiled piecewise (shared by every shape). Each
+    timed draft follows a target step, as in decoding, where the target's forward streams its weights through the
+    CPU caches between two drafts (a 2/4 draft on a 2-core Zen 5 EPYC, SmolLM2's head in bf16: 1.2 ms timed back
+    to back, 2.3-2.5 ms after a target step, 2.5 ms a step inside decoding)."""
     device = prefix.device
     with runner.session():  # the target's attention kernel, also for the target steps between the drafts
         runner.reset(prefix.shape[1])
         _, features = runner.prefill(prefix)
-        root = prefix[0, -1:]
-        one_token = (root.view(1, 1), torch.zeros(1, dtype=torch.long, device=device),
+        one_token = (prefix[:, -1:], torch.zeros(1, dtype=torch.long, device=device),
                      torch.ones(1, 1, dtype=torch.bool, device=device))
         nothing = torch.zeros(0, dtype=torch.long, device=device)
 
@@ -137,20 +140,20 @@ def measure_draft_ms(runner, head: DraftHead, prefix: torch.Tensor, reps: int = 
             runner.commit(nothing, 1)
 
         start = prefix.shape[1] - 3  # the prompt fed up to here; each step re-feeds the last two pairs
+        root = prefix[0, -1:]
         out = {}
-        for top_k in TOP_KS:
-            for depth in DEPTHS:
-                drafter = TreeDrafter(head, TreeOptions(depth=depth, top_k=top_k, total_tokens=max(TOTALS)),
-                                      head_runner_for(head, compile))
-                drafter.reset(prefix.shape[1])
-                drafter.feed(features[:, :start], prefix[:, 1: start + 1], 0)
+        for options in trees:
+            drafter = TreeDrafter(head, options, head_runner_for(head, compile), whole=whole)
+            drafter.reset(prefix.shape[1])
+            drafter.runner.append(prefix[:, 1: start + 1], features[:, :start], 0)
 
-                def step():
-                    drafter.feed(features[:, start: start + 2], prefix[:, start + 1: start + 3], start)
-                    drafter.draft(root)
+            def step():
+                drafter.stable = start
+                drafter.pending = (features[:, start: start + 2], prefix[:, start + 1: start + 2])
+                drafter.propose(root)
 
-                step()  # warm-up (and the one-time compile of this shape)
-                out[(depth, top_k)] = _median_ms(step, reps, device, between=target_step)
+            step()  # warm-up (and the one-time compile of this shape)
+            out[options] = _median_ms(step, reps, device, between=target_step)
         return out
 
 
@@ -236,7 +239,10 @@ def auto_tree(
     prefix = last[:, -256:] if last.shape[1] > 256 else last
     sizes = verify_sizes(runner)
     verify_ms = measure_verify_ms(runner, prefix, sizes)
-    draft_ms = measure_draft_ms(runner, head, prefix, compile=getattr(runner, "compiled", False))
+    compiled = getattr(runner, "compiled", False)
+    shapes = [TreeOptions(depth=d, top_k=k, total_tokens=max(TOTALS)) for k in TOP_KS for d in DEPTHS]
+    draft_ms = {(o.depth, o.top_k): ms
+                for o, ms in measure_draft_ms(runner, head, prefix, shapes, compile=compiled).items()}
     overhead = statistics.median(overhead_ms)
 
     def verify_cost(total: int) -> float:  # a tree is padded to the next measured size
@@ -254,6 +260,21 @@ def auto_tree(
                 table.append((tps, tau, step_ms, depth, top_k, total))
                 if best is None or tps > best[0]:
                     best = table[-1]
+    whole_ms = {}
+    if compiled:  # decoding compiles each tree's drafting step whole: price the best few shapes that way
+        finalists = []
+        for row in sorted(table, reverse=True):
+            if all(row[3:5] != f[3:5] for f in finalists):
+                finalists.append(row)
+            if len(finalists) == REFINED_SHAPES:
+                break
+        trees = [TreeOptions(depth=d, top_k=k, total_tokens=n) for *_, d, k, n in finalists]
+        whole_ms = measure_draft_ms(runner, head, prefix, trees, compile=True, whole=True)
+        refined = []
+        for (_, tau, _, depth, top_k, total), options in zip(finalists, trees):
+            step_ms = whole_ms[options] + verify_cost(total) + overhead
+            refined.append((1000 * tau / step_ms, tau, step_ms, depth, top_k, total))
+        best = max(refined)
     tps, tau, step_ms, depth, top_k, total = best
     plain_ms = verify_ms[0] + overhead
     options = TreeOptions(depth=depth, top_k=top_k, total_tokens=total) if tps > 1000 / plain_ms else None
@@ -271,6 +292,7 @@ def auto_tree(
         "predicted_gpu_tree": gpu_tree,
         "verify_ms": {str(k): v for k, v in verify_ms.items()},
         "draft_ms": {f"{d},{k}": v for (d, k), v in draft_ms.items()},
+        "draft_ms_whole": {f"{o.depth},{o.top_k},{o.total_tokens}": v for o, v in whole_ms.items()},
         "overhead_ms": overhead,
         "calibration_steps": len(records),
         "top_candidates": [dict(zip(("tokens_per_s", "tau", "step_ms", "depth", "top_k", "total_tokens"), row))

@@ -249,7 +249,7 @@ class SpeculativeGenerator:
                               causal_allowed(n, 0, self.device))
                 runner.commit(torch.zeros(0, dtype=torch.long, device=self.device), n)
         self.drafter.warmup(max_length)
-        if not self.plain:  # the drafter's steps in place (the head's are compiled once per top-k)
+        if not self.plain:  # the drafter's steps in place (the head's: one graph per tree shape)
             depth = self.options.depth if self.options else max(self.drafter.tree_sizes())
             self.generate(ids, max_new_tokens=2 * depth + 2, eos_token_id=[])
         return dict(getattr(runner, "compile_s", {}))

@@ -1,10 +1,12 @@
-"""The draft head's side of drafting: its KV buffer and its per-depth step, optionally compiled.
+"""The draft head's side of drafting: its KV buffer and its passes, optionally compiled.
 
 The head's single layer keeps its keys/values in a preallocated buffer of `capacity` slots. Every forward writes
 its n tokens at explicit slots (index_copy_, no concatenation) and attends the WHOLE buffer through an additive
-mask, so a drafting depth has one shape — (k frontier tokens, capacity keys) — whatever the sequence length: one
-compiled graph per top-k, shared by every TreeDrafter of the head (the tree tuner's many shapes included).
-Feeding the true pairs after a verification (1..depth+1 tokens, or a whole prompt) runs eagerly.
+mask, so a pass has one shape — (n tokens, capacity keys) — whatever the sequence length. Two ways to compile a
+drafting step (tree.py's DraftStep): WHOLE, one graph per tree shape for feeding the true pairs, every depth and
+the tree selection (what decoding uses: no eager glue between the passes, one guard check a step), or PIECEWISE,
+one graph per pass shape (feed: pad size; expansion: top-k) shared by every tree shape (what the tree tuner uses
+to price dozens of shapes without compiling each). A prompt's pairs before the last few run eagerly (append).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class SlotCache:
 
 
 class HeadRunner:
-    """A head's KV buffer plus its drafting step (compiled when asked); see the module docstring."""
+    """A head's KV buffer plus its passes and drafting steps (compiled when asked); see the module docstring."""
 
     def __init__(self, head: DraftHead, compile: bool = False, capacity: int = MIN_CAPACITY):
         self.head = head
@@ -60,6 +62,7 @@ class HeadRunner:
         self.compiled = compile
         self._expand = compile_step(self._expand_eager, self.device) if compile else self._expand_eager
         self._feed = compile_step(self._feed_eager, self.device) if compile else self._feed_eager
+        self.steps: dict = {}  # (tree shape, whole) -> its drafting step (tree.DraftStep)
         self.reserve(capacity)
 
     def reserve(self, length: int) -> None:
@@ -83,7 +86,7 @@ class HeadRunner:
             torch._dynamo.mark_static_address(values)
         self.cache.keys, self.cache.values = keys, values
 
-    def mask(self, allowed: torch.Tensor, start: int) -> torch.Tensor:
+    def mask(self, allowed: torch.Tensor, start: int | torch.Tensor) -> torch.Tensor:
         """(1, 1, n, capacity) additive mask: every slot before `start`, then `allowed` (n, m) from `start` on."""
         return buffer_mask(allowed, start, self.capacity, self.dtype)
 
@@ -106,27 +109,31 @@ class HeadRunner:
         logp, ids = self.top_k(last_hidden[0], k)
         return last_hidden, logp, ids
 
-    def feed(self, tokens, features, start: int, k: int, pad_to: int):
-        """Append true pairs (tokens (1, m), target features (1, m, F)) at positions start..start+m-1; returns the
-        head output at the last one (1, 1, H) and its top-k (log-probs (1, k), target ids (1, k)): depth 1 of the
-        next tree. Up to `pad_to` pairs are padded to that size (one compiled shape after every verification; the
-        padding lands in slots the next tree overwrites); a longer feed (the prompt) runs eagerly."""
-        m = tokens.shape[1]
-        size = pad_to if m <= pad_to else m
-        padded = torch.zeros(1, size, dtype=torch.long, device=self.device)
-        padded[:, :m] = tokens
-        feats = torch.zeros(1, size, features.shape[-1], dtype=self.dtype, device=self.device)
-        feats[:, :m] = features
-        positions = torch.arange(start, start + size, device=self.device).unsqueeze(0)
-        mask = self.mask(causal_allowed(size, 0, self.device), start)
-        last = torch.tensor([m - 1], device=self.device)
-        step = self._feed if size == pad_to else self._feed_eager
-        return step(padded, feats, positions, mask, positions[0], last, k)
+    def passes(self, whole: bool):
+        """(feed, expand) for a drafting step: the eager passes inside a step compiled whole, else this runner's
+        own (compiled when it compiles). feed(tokens (1, m), features (1, m, F), positions, mask, slots, last, k)
+        -> (head output at `last` (1, 1, H), its top-k log-probs (1, k), target ids (1, k)): depth 1 of the next
+        tree. expand(frontier tokens (1, k), parent hidden (1, k, H), positions, mask, slots, k) -> (hidden
+        (1, k, H), child log-probs (k, k), child target ids (k, k)): one further depth."""
+        if whole:
+            return self._feed_eager, self._expand_eager
+        return self._feed, self._expand
 
-    def expand(self, tokens, hidden, positions, mask, slots, k: int):
-        """One drafting depth: the frontier (1, k) through the head, then each node's top-k children.
-        Returns (hidden (1, k, H), child log-probs (k, k), child target ids (k, k))."""
-        return self._expand(tokens, hidden, positions, mask, slots, k)
+    @torch.inference_mode()
+    def append(self, tokens: torch.Tensor, features: torch.Tensor, start: int) -> None:
+        """Write true pairs (tokens (1, m), target features (1, m, F)) at positions start..start+m-1, eagerly and
+        without drafting: a prompt's pairs before the last few, which the drafting step feeds."""
+        m = tokens.shape[1]
+        positions = torch.arange(start, start + m, device=self.device).unsqueeze(0)
+        self.forward(tokens, self.head.fuse(features.to(self.dtype)), positions,
+                     self.mask(causal_allowed(m, 0, self.device), start), positions[0])
+
+    def draft_step(self, key, build):
+        """The drafting step for `key` (a tree shape and how it compiles), built once by `build()` and shared by
+        every drafter of this runner (a step compiled whole is one graph per tree shape)."""
+        if key not in self.steps:
+            self.steps[key] = build()
+        return self.steps[key]
 
 
 _SHARED: "weakref.WeakKeyDictionary[DraftHead, dict[bool, HeadRunner]]" = weakref.WeakKeyDictionary()

@@ -2,13 +2,14 @@
 
 The head keeps its KV cache across steps. Its stable part holds the pairs (true target feature at t, token t+1)
 at positions 0..P-1, where P is the position of the tree root (the last emitted token, not yet seen by the target).
-draft() expands the tree: depth 1 comes from the head's last output; each further depth is ONE head forward over
-the top_k frontier nodes (best cumulative draft log-prob), attending the stable cache plus their own drafted
-ancestors. All candidates are reranked by cumulative log-prob and the best `total_tokens` kept; a child's score is
-never above its parent's and a stable sort puts parents first on ties, so the kept set is always a tree.
-After verification, feed() crops the cache back to P and appends the accepted pairs with their TRUE features.
+A drafting step (DraftStep) first feeds the true pairs of the last verification (their last token is the root):
+the head's output at the root gives depth 1. Each further depth is ONE head forward over the top_k frontier nodes
+(best cumulative draft log-prob), attending the stable cache plus their own drafted ancestors. All candidates are
+reranked by cumulative log-prob and the best `total_tokens` kept; a child's score is never above its parent's and
+a stable sort puts parents first on ties, so the kept set is always a tree.
 The cache is a fixed buffer (head_runner.py): drafted nodes are written after the stable part and simply
-overwritten later, so "cropping" is only moving the stable length.
+overwritten later, so "cropping" is only moving the stable length. Positions and slots are tensors computed from
+the stable length (a 0-dim tensor), so a step compiled whole is one graph per tree shape at every length.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from typing import Callable
 
 import torch
 
+from drafthead.masks import causal_allowed
 from drafthead.model import DraftHead
 
 from .head_runner import HeadRunner
+from .static_runner import compile_step
 
 
 @dataclass(frozen=True)
@@ -178,22 +181,56 @@ def select_tree(roots: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor,
             torch.cat([column.to(scores.dtype), scores.gather(1, chosen)], dim=1))
 
 
+class DraftStep:
+    """One drafting step of a tree shape, on a HeadRunner: feed the true pairs, expand depth by depth, select the
+    tree. `whole`: compiled as one graph (the runner compiles; what decoding uses) or eager glue around the
+    runner's own passes (compiled piecewise when the runner compiles; what the tree tuner prices shapes with)."""
+
+    def __init__(self, runner: HeadRunner, options: TreeOptions, whole: bool):
+        self.runner, self.opt, self.whole = runner, options, whole
+        self.run = compile_step(self._run, runner.device) if whole and runner.compiled else self._run
+
+    def _run(self, tokens, features, last, start, root):
+        """tokens (1, p), features (1, p, F): the true pairs, padded to depth + 1 (padding lands in slots the tree
+        overwrites); last (1,): the index of the last real pair (its token is the root); start: 0-dim tensor, the
+        position of the first pair; root (1,). Returns select_tree's (tokens, parents, depths, ancestors, scores)."""
+        runner, opt = self.runner, self.opt
+        feed, expand = runner.passes(self.whole)
+        device = tokens.device
+        p = tokens.shape[1]
+        positions = (start + torch.arange(p, device=device)).unsqueeze(0)
+        mask = runner.mask(causal_allowed(p, 0, device), start)
+        last_hidden, scores, first = feed(tokens, features, positions, mask, positions[0], last, opt.top_k)
+        stable = start + last[0] + 1  # the root's position: the tree's nodes start at this slot
+
+        def step(d, f, frontier_tokens, parent_hidden, rows):
+            # the frontier (depth d) at slots stable+f.., position stable-1+d, attending the stable prefix + rows
+            k = frontier_tokens.shape[1]
+            where = (stable - 1 + d).view(1, 1).expand(1, k)
+            slots = stable + f + torch.arange(k, device=device)
+            out, logp, child = expand(frontier_tokens, parent_hidden, where, runner.mask(rows[0], stable), slots, k)
+            return out, logp[None], child[None]
+
+        candidates = expand_tree(scores, first, last_hidden, opt.depth, step)
+        return select_tree(root.view(1), *candidates, opt.total_tokens, opt.depth)
+
+
 class TreeDrafter:
     """Drafts EAGLE-2 trees with a DraftHead, keeping the head's KV cache across steps (a drafter.Drafter). The
-    head's buffer and (compiled) step live in a HeadRunner, which may be shared by several drafters of the same
-    head."""
+    head's buffer and (compiled) steps live in a HeadRunner, which may be shared by several drafters of the same
+    head. whole=False drafts with the piecewise-compiled passes (see DraftStep)."""
 
     name = "eagle"
     origin_names = ("head",)
 
-    def __init__(self, head: DraftHead, options: TreeOptions, head_runner: HeadRunner | None = None):
+    def __init__(self, head: DraftHead, options: TreeOptions, head_runner: HeadRunner | None = None,
+                 whole: bool = True):
         self.head = head
         self.opt = options
         self.dtype = next(head.parameters()).dtype
         self.runner = head_runner if head_runner is not None else HeadRunner(head)
+        self.step = self.runner.draft_step((options, whole), lambda: DraftStep(self.runner, options, whole))
         self.stable = 0  # positions 0..stable-1 hold true pairs
-        self.last_hidden: torch.Tensor | None = None  # (1, 1, H) head output at the last true position
-        self.first_scores = self.first_tokens = None  # (1, k): its top-k, depth 1 of the next tree
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # true pairs not fed yet (features, tokens)
 
     # ------------------------------------------------------------------------------ the drafter protocol
@@ -215,11 +252,31 @@ class TreeDrafter:
         self.reset(max_length)
         self.pending = (features, input_ids[:, 1:])
 
+    @torch.inference_mode()
     def propose(self, root: torch.Tensor, params=None, generator=None) -> DraftTree:
-        """Feed the pending true pairs (their last token is the root), then draft the tree."""
+        """Feed the pending true pairs (their last token is the root) and draft the tree, in one drafting step;
+        a prompt's pairs before the last depth + 1 go into the head's cache first."""
         features, tokens = self.pending
-        self.feed(features, torch.cat([tokens, root.view(1, 1)], dim=1), self.stable)
-        return self.draft(root)
+        tokens = torch.cat([tokens, root.view(1, 1)], dim=1)
+        features = features.to(self.dtype)
+        size = self.opt.depth + 1  # at most depth accepted drafts + the bonus token per verification
+        m = tokens.shape[1]
+        if m > size:
+            self.runner.reserve(self.stable + m + self._tree_room)
+            self.runner.append(tokens[:, : m - size], features[:, : m - size], self.stable)
+            self.stable += m - size
+            tokens, features, m = tokens[:, m - size:], features[:, m - size:], size
+        self.runner.reserve(self.stable + size + self._tree_room)
+        device = root.device
+        padded = torch.zeros(1, size, dtype=torch.long, device=device)
+        padded[:, :m] = tokens
+        feats = torch.zeros(1, size, features.shape[-1], dtype=self.dtype, device=device)
+        feats[:, :m] = features
+        last = torch.tensor([m - 1], device=device)
+        start = torch.tensor(self.stable, device=device)
+        tokens, parents, depths, ancestors, scores = self.step.run(padded, feats, last, start, root)
+        self.stable += m
+        return DraftTree(tokens, parents[0], depths[0], ancestors[0], scores[0])
 
     def accept(self, path: torch.Tensor, new_tokens: torch.Tensor, features: torch.Tensor) -> None:
         """The accepted nodes' true features, each paired with the token after it (the last one: the next root)."""
@@ -238,35 +295,3 @@ class TreeDrafter:
         """Start a new sequence of up to `length` tokens (room for its deepest tree too)."""
         self.runner.reserve(length + self._tree_room)
         self.stable = 0
-        self.last_hidden = None
-
-    @torch.inference_mode()
-    def feed(self, features: torch.Tensor, tokens: torch.Tensor, start: int) -> None:
-        """Crop the cache to `start`, then append true pairs: features (1, m, F) at positions start.., tokens (1, m)
-        = the token after each feature. Also drafts depth 1 of the next tree (the last pair's top-k)."""
-        m = tokens.shape[1]
-        pad_to = self.opt.depth + 1  # at most depth accepted drafts + the bonus token per verification
-        self.runner.reserve(start + max(m, pad_to) + self._tree_room)
-        self.last_hidden, self.first_scores, self.first_tokens = self.runner.feed(
-            tokens, features.to(self.dtype), start, self.opt.top_k, pad_to)
-        self.stable = start + m
-
-    @torch.inference_mode()
-    def draft(self, root: torch.Tensor) -> DraftTree:
-        """root: (1,) the last emitted token. Returns the verification tree (root + up to total_tokens nodes)."""
-        stable = self.stable  # the root sits at position `stable`
-        device = root.device
-
-        def step(d, f, frontier_tokens, parent_hidden, rows):
-            # the frontier (depth d) at slots stable+f.., position stable-1+d, attending the stable prefix + rows
-            k = frontier_tokens.shape[1]
-            positions = torch.full((1, k), stable - 1 + d, dtype=torch.long, device=device)
-            slots = torch.arange(stable + f, stable + f + k, device=device)
-            out, logp, child = self.runner.expand(frontier_tokens, parent_hidden, positions,
-                                                  self.runner.mask(rows[0], stable), slots, k)
-            return out, logp[None], child[None]
-
-        candidates = expand_tree(self.first_scores, self.first_tokens, self.last_hidden, self.opt.depth, step)
-        tokens, parents, depths, ancestors, scores = select_tree(root, *candidates, self.opt.total_tokens,
-                                                                 self.opt.depth)
-        return DraftTree(tokens, parents[0], depths[0], ancestors[0], scores[0])

@@ -7,7 +7,7 @@ import torch
 from test_inference_greedy import oracle_head, prompts
 from tiny import tiny_model
 
-from inference import budget
+from inference import TreeOptions, budget
 from inference.static_runner import StaticRunner
 
 torch.set_num_threads(1)
@@ -24,14 +24,13 @@ def test_draft_timings_follow_a_target_step(monkeypatch):
     target = tiny_model("llama")
     head = oracle_head(target).attach_target(target)
     runner = StaticRunner(target, head.config.aux_layer_ids, buckets=(1, 4))
-    monkeypatch.setattr(budget, "DEPTHS", (1, 2))
-    monkeypatch.setattr(budget, "TOP_KS", (2,))
     seen = []
     verify = runner.verify
     monkeypatch.setattr(runner, "verify", lambda *a, **k: seen.append(a[0].shape[1]) or verify(*a, **k))
     prefix = prompts(1, 320, seed=3)[0].repeat(1, 4)[:, :24]
-    times = budget.measure_draft_ms(runner, head, prefix, reps=3)
-    assert set(times) == {(1, 2), (2, 2)} and all(t > 0 for t in times.values())
+    trees = [TreeOptions(depth=1, top_k=2, total_tokens=2), TreeOptions(depth=2, top_k=2, total_tokens=3)]
+    times = budget.measure_draft_ms(runner, head, prefix, trees, reps=3)
+    assert set(times) == set(trees) and all(t > 0 for t in times.values())
     assert seen.count(1) >= 2 * 3  # three timed drafts per (depth, top_k), each after a one-token target step
     assert runner.length == prefix.shape[1]
 

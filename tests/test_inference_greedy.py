@@ -29,9 +29,10 @@ def random_head(target, kind: str = "eagle3", seed: int = 1) -> DraftHead:
     draft_vocab = 200 if kind == "eagle3" else None
     head = DraftHead(HeadConfig.from_target_config(target.config, kind=kind, aux_layer_ids=aux,
                                                    draft_vocab_size=draft_vocab))
-    if kind == "eagle3":  # a sparse draft vocabulary: every other target id from 3 on
-        chosen = torch.arange(3, 3 + 2 * 200, 2) % target.config.vocab_size
-        chosen = torch.sort(chosen).values
+    if kind == "eagle3":  # a sparse draft vocabulary: every other target id from 3 on, where the vocabulary
+        # holds that many (distinct target ids: two draft ids of one target token would draft duplicate siblings)
+        step = 2 if 3 + 2 * 200 <= target.config.vocab_size else 1
+        chosen = torch.arange(3, 3 + step * 200, step)
         head.d2t.copy_(chosen - torch.arange(200))
     return head
 
@@ -121,8 +122,8 @@ def test_tree_shape():
         drafter = TreeDrafter(head, opt)
         with torch.inference_mode():
             feats = torch.randn(1, 5, head.config.feature_size)
-            drafter.feed(feats, torch.randint(3, 320, (1, 5)), 0)
-            tree = drafter.draft(torch.tensor([7]))
+            drafter.begin(torch.randint(3, 320, (1, 5)), feats, 64)  # 4 pairs; the root makes the fifth
+            tree = drafter.propose(torch.tensor([7]))
         n = tree.size
         assert n == 1 + min(opt.total_tokens, opt.top_k + (opt.depth - 1) * opt.top_k**2)
         assert drafter.stable_length == 5  # the drafted nodes are not part of the stable prefix

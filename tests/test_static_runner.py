@@ -11,7 +11,8 @@ from test_inference_greedy import near_bigram_target, oracle_head, prompts
 from tiny import tiny_model
 
 from drafthead import DraftHead, HeadConfig
-from inference import SpeculativeGenerator, TreeOptions
+from drafthead.masks import causal_allowed
+from inference import SpeculativeGenerator, TreeDrafter, TreeOptions
 from inference.head_runner import HeadRunner
 from inference.attention import matmul_attention
 from inference.runner import TargetRunner
@@ -131,14 +132,15 @@ def test_sliding_window_target_falls_back_to_eager(capsys):
 
 @pytest.mark.slow
 def test_compiled_runner_is_lossless_without_recompiles():
-    """torch.compile'd verify steps (one graph per bucket): greedy output identical to generate, and a second
-    round of prompts compiles nothing new."""
+    """torch.compile'd verify steps (one graph per bucket) and the head's drafting step (one graph for the tree):
+    greedy output identical to generate, and a second round of prompts compiles nothing new."""
     from torch._dynamo.utils import counters
 
     target = near_bigram_target("llama")
     head = oracle_head(target).attach_target(target)
     runner = StaticRunner(target, head.config.aux_layer_ids, compile=True, buckets=(1, 8))
-    spec = SpeculativeGenerator(target, head, tree=TreeOptions(depth=3, top_k=2, total_tokens=6), runner=runner)
+    spec = SpeculativeGenerator(target, head, tree=TreeOptions(depth=3, top_k=2, total_tokens=6), runner=runner,
+                                compile=True)  # the head's drafting step compiled whole
     plain = SpeculativeGenerator(target, None, tree="none", runner=runner)
     batch = prompts(6, 320, seed=3)
     for gen in (spec, plain):  # first round compiles buckets 8 and 1
@@ -194,14 +196,19 @@ def test_compiled_runners_of_different_models_never_share_graphs():
     heads = [oracle_head(a).attach_target(a), oracle_head(a).attach_target(a)]
     with torch.no_grad():
         heads[1].fc.weight.mul_(-1.0)
-    for head in heads:
-        eager, compiled = HeadRunner(head), HeadRunner(head, compile=True)
-        args = (prompt[:, :2], torch.randn(1, 2, 64, generator=torch.Generator().manual_seed(3)),
-                torch.tensor([[0, 1]]), None, torch.tensor([0, 1]), 2)
+    options = TreeOptions(depth=2, top_k=2, total_tokens=4)
+    trees = []
+    for head in heads:  # the same tree from the eager step and the step compiled whole
+        eager, compiled = (TreeDrafter(head, options, HeadRunner(head, compile=c)) for c in (False, True))
+        feats = torch.randn(1, 6, head.config.feature_size, generator=torch.Generator().manual_seed(3))
+        for drafter in (eager, compiled):
+            drafter.begin(prompt[:, :6], feats, 32)
         with torch.inference_mode():
-            outs = [r.expand(*args[:3], r.mask(torch.ones(2, 2, dtype=torch.bool).tril(), 0), *args[4:])
-                    for r in (eager, compiled)]
-        torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-4, atol=1e-4)
+            ours, ref = compiled.propose(prompt[0, 6:7]), eager.propose(prompt[0, 6:7])
+        assert torch.equal(ours.tokens, ref.tokens) and torch.equal(ours.parents, ref.parents)
+        torch.testing.assert_close(ours.scores, ref.scores, rtol=1e-4, atol=1e-4)
+        trees.append(ref)
+    assert not torch.equal(trees[0].scores, trees[1].scores)  # the two heads do draft differently
 
 
 def test_bf16_head_runner_drafts_on_matmul_attention():
@@ -215,6 +222,12 @@ def test_bf16_head_runner_drafts_on_matmul_attention():
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, target.config.vocab_size, (1, 40), generator=g)
     features = torch.randn(1, 40, 3 * target.config.hidden_size, generator=g).to(torch.bfloat16)
-    ours, theirs = (r.feed(tokens, features, 0, k=4, pad_to=5) for r in (runner, ref_runner))
+    positions = torch.arange(40).unsqueeze(0)
+
+    def feed(r):
+        return r.passes(whole=True)[0](tokens, features, positions, r.mask(causal_allowed(40), 0), positions[0],
+                                       torch.tensor([39]), 4)
+
+    ours, theirs = feed(runner), feed(ref_runner)
     torch.testing.assert_close(ours[0], theirs[0], atol=0.05, rtol=0.05)  # the last output hidden (1, 1, H)
     torch.testing.assert_close(ours[1], theirs[1], atol=0.05, rtol=0.05)  # its top-4 log-probs
