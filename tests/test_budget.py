@@ -35,6 +35,21 @@ def test_draft_timings_follow_a_target_step(monkeypatch):
     assert runner.length == prefix.shape[1]
 
 
+def test_verify_sizes_take_turns(monkeypatch):
+    """The verify timings interleave the sizes round by round (drift hits them alike); the runner keeps its
+    committed length."""
+    target = tiny_model("llama")
+    runner = StaticRunner(target, [], buckets=(1, 4))
+    seen = []
+    verify = runner.verify
+    monkeypatch.setattr(runner, "verify", lambda *a, **k: seen.append(a[0].shape[1]) or verify(*a, **k))
+    prefix = prompts(1, 320, seed=3)[0][:, :12]
+    times = budget.measure_verify_ms(runner, prefix, (3,), reps=4)
+    assert set(times) == {0, 3} and all(t > 0 for t in times.values())
+    assert seen == [1, 4] * 5  # one warm-up round, then four timed rounds
+    assert runner.length == prefix.shape[1]
+
+
 def test_auto_tree_picks_a_tree_only_when_it_predicts_more_than_plain():
     target = tiny_model("llama")
     head = oracle_head(target).attach_target(target)
