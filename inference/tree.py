@@ -261,12 +261,11 @@ class TreeDrafter:
         features = features.to(self.dtype)
         size = self.opt.depth + 1  # at most depth accepted drafts + the bonus token per verification
         m = tokens.shape[1]
+        self.runner.reserve(self.stable + max(m, size) + self._tree_room)
         if m > size:
-            self.runner.reserve(self.stable + m + self._tree_room)
             self.runner.append(tokens[:, : m - size], features[:, : m - size], self.stable)
             self.stable += m - size
             tokens, features, m = tokens[:, m - size:], features[:, m - size:], size
-        self.runner.reserve(self.stable + size + self._tree_room)
         device = root.device
         padded = torch.zeros(1, size, dtype=torch.long, device=device)
         padded[:, :m] = tokens
