@@ -22,11 +22,14 @@ PREFILL_NAME = "drafthead_sdpa_prefix"
 
 @torch.library.custom_op("drafthead::prefix_attention", mutates_args=())
 def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                     scaling: float, length: torch.Tensor) -> torch.Tensor:
+                     scaling: float, length: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """softmax((q·scaling)·kᵀ + mask) · v over the first `length` keys (the mask hides every slot after them).
     query (B, heads, n, D); key/value (B, kv_heads, S, D); mask (B, 1, n, S) additive; length: 0-dim tensor, the
-    used prefix of the buffer (everything after it is masked anyway). Returns (B, n, heads, D).
-    An opaque op, so a compiled step keeps one static shape while the work follows the sequence length.
+    used prefix of the buffer (everything after it is masked anyway); rows: 0-dim tensor, the leading rows of the
+    batch that are in use (the batch runner keeps its shape as rows finish; later rows get zeros, unread). Returns
+    (B, n, heads, D).
+    An opaque op, so a compiled step keeps one static shape while the work follows the sequence length and the
+    rows in use (a leading slice of the batch axis is contiguous: no copy).
     Two passes over the scores besides the matmuls (mask added in place; PyTorch's CPU softmax of bf16/fp16 input
     computes in float32 and rounds once): at 8 rows × 8k keys × 4 queries this is ~15 % faster per layer than
     scaling, casting to float32 and back around the softmax, with the same probabilities.
@@ -36,8 +39,14 @@ def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     read (the mask hides the unused slots) when the extra scores that costs (queries × unused slots) are fewer than
     the used slots a slice would copy: decoding and short trees over a tight buffer; a prompt's long chunks slice
     (1 row, 6k buffer: 1 query over 4k used slots 0.31 ms sliced, 0.14 ms whole; 64 queries 1.5 ms vs 5.3 ms)."""
-    used = int(length)
-    b, heads, n, d = query.shape
+    used, alive = int(length), int(rows)
+    full, heads, n, d = query.shape
+    if alive < full:
+        out = query.new_zeros(full, n, heads, d)
+        out[:alive] = prefix_attention(query[:alive], key[:alive], value[:alive], mask[:alive], scaling, length,
+                                       rows)
+        return out
+    b = full
     if n * (key.shape[2] - used) > used:  # see the note on slicing above
         key, value, mask = key[:, :, :used], value[:, :, :used], mask[..., :used]
     else:
@@ -53,7 +62,7 @@ def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 @prefix_attention.register_fake
-def _(query, key, value, mask, scaling, length):
+def _(query, key, value, mask, scaling, length, rows):
     b, heads, n, d = query.shape
     return query.new_empty(b, n, heads, d)
 
@@ -67,16 +76,20 @@ def matmul_attention(
     scaling: float,
     dropout: float = 0.0,
     drafthead_kv_length: torch.Tensor | None = None,
+    drafthead_rows: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature; `drafthead_kv_length` (passed to the model's forward by the
-    static runner) limits the work to the used part of a preallocated buffer."""
+    static runner) limits the work to the used part of a preallocated buffer, `drafthead_rows` (the batch runner)
+    to the leading rows in use."""
     b, _, n, _ = query.shape
     if attention_mask is None:
         attention_mask = query.new_zeros(b, 1, n, key.shape[2])
     if drafthead_kv_length is None:
         drafthead_kv_length = torch.tensor(key.shape[2])
-    return prefix_attention(query, key, value, attention_mask, scaling, drafthead_kv_length), None
+    if drafthead_rows is None:
+        drafthead_rows = torch.tensor(b)
+    return prefix_attention(query, key, value, attention_mask, scaling, drafthead_kv_length, drafthead_rows), None
 
 
 AttentionInterface.register(NAME, matmul_attention)
@@ -99,12 +112,18 @@ def prefix_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
 AttentionInterface.register(PREFILL_NAME, prefix_sdpa_attention)
 
 
-def kv_length_kwargs(model: nn.Module, kv_length: int | torch.Tensor | None) -> dict:
-    """The forward kwargs that tell this project's attention kernels the used slots of a preallocated buffer
-    (empty when `model` dispatches attention elsewhere, or when kv_length is None)."""
-    if kv_length is None or model.config._attn_implementation not in (NAME, PREFILL_NAME):
-        return {}
-    return {"drafthead_kv_length": torch.as_tensor(kv_length)}
+def kv_length_kwargs(model: nn.Module, kv_length: int | torch.Tensor | None,
+                     rows: torch.Tensor | None = None) -> dict:
+    """The forward kwargs that tell this project's attention kernels the used slots of a preallocated buffer and
+    (matmul kernel) the leading rows of the batch in use (empty when `model` dispatches attention elsewhere; a
+    None entry is left out)."""
+    implementation = model.config._attn_implementation
+    kwargs = {}
+    if kv_length is not None and implementation in (NAME, PREFILL_NAME):
+        kwargs["drafthead_kv_length"] = torch.as_tensor(kv_length)
+    if rows is not None and implementation == NAME:
+        kwargs["drafthead_rows"] = rows
+    return kwargs
 
 
 def prefers_matmul_attention(device: torch.device, dtype: torch.dtype) -> bool:

@@ -8,10 +8,10 @@ on CUDA the timers. Per-row work on the host is a loop over at most B rows of a 
 
 A row that stops takes the next waiting request, if any: its prefilled KV is copied into the row (runner.admit)
 and the drafter starts that row afresh (drafter.admit), so the batch stays full while requests wait and no row
-waits for the slowest one. Without waiting requests, a row that stops stays in the batch, verified but never
-committed, until the finished rows are half the batch; then they all leave every buffer at once (one copy of the
-KV buffers pays for itself when it halves every later step, while dropping each row as it ends could copy the
-buffers once per row).
+waits for the slowest one. Without waiting requests, a row that stops leaves the batch at once: the rows still
+decoding stay the leading rows of the runner's buffers (a row from the back fills the place of a row that
+stopped, the only KV copied), and the runner's attention skips the rows after them, so a stopped row stops
+costing the bulk of a long-context step.
 """
 
 from __future__ import annotations
@@ -95,8 +95,10 @@ def decode_batch(runner: BatchRunner, drafter: BatchDrafter, input_ids: torch.Te
             stats.admit_time_s += time.perf_counter() - a0
         if all(done):
             break
-        if waiting is None and 2 * sum(done) >= len(rows):  # finished rows leave every buffer at half the batch
+        if waiting is None and any(done):  # finished rows leave: rows from the back fill their places
             alive = [k for k in range(len(rows)) if not done[k]]
+            back = [k for k in alive if k >= len(alive)]
+            alive = [back.pop() if done[k] else k for k in range(len(alive))]
             index = torch.tensor(alive, device=roots.device)
             runner.keep_rows(index)
             drafter.keep_rows(index)

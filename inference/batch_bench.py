@@ -184,11 +184,12 @@ def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
     model, tokenizer = load_causal_lm(args.target, dtype)
     model = model.to(device=device, dtype=dtype).eval()
     head = load_head(args.draft, target=model, device=device, dtype=dtype) if args.draft else None
-    # the self-draft's step is compiled (target steps run eagerly: their batch shrinks as rows finish)
+    # the self-draft's step and the target's verify steps (one graph per batch and tree size)
     args.compile = compile_setting(args.compile, device)
     drafters = make_drafters(args, model, head)
     names = list(drafters)
-    runner = BatchRunner(model, next((d.feature_layers for d in drafters.values() if d.feature_layers), []))
+    runner = BatchRunner(model, next((d.feature_layers for d in drafters.values() if d.feature_layers), []),
+                         compile=args.compile)
     result = {"target": str(args.target), "draft": str(args.draft), "device": str(device), "dtype": str(dtype),
               "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
               "tree": str(tree_options(args.tree)), "compile": args.compile, "sink": args.sink, "window": args.window,

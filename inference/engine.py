@@ -218,7 +218,7 @@ class SpeculativeGenerator:
     def batch_runner(self) -> BatchRunner:
         """The target runner of batched generation (built on first use, then reused)."""
         if self._batch_runner is None:
-            self._batch_runner = BatchRunner(self.target, self.batch_drafter.feature_layers)
+            self._batch_runner = BatchRunner(self.target, self.batch_drafter.feature_layers, compile=self.compile)
         return self._batch_runner
 
     @property

@@ -11,6 +11,7 @@ from test_inference_sampling import chi_square_p, first_two_law
 from tiny import tiny_model
 
 from inference import SamplingParams, SpeculativeGenerator
+from inference.attention import prefix_attention
 from inference.batch_runner import BatchRunner
 from inference.self_draft import StreamingSelfDrafter
 from inference.slots import SlotMap
@@ -129,9 +130,10 @@ def test_continuous_batching_admits_waiting_requests_losslessly():
         assert stats.admit_time_s > 0
 
 
-def test_compiled_self_draft_keeps_one_graph_as_rows_leave():
-    """The compiled self-draft: rows stop at different steps (and leave the target's buffers), the draft batch
-    keeps its size (one compiled graph, no recompile), and every row still ends exactly as it does alone."""
+def test_compiled_batch_keeps_one_graph_as_rows_leave():
+    """Compiled self-draft and compiled target verify: rows stop at different steps and leave the batch (the rows
+    still decoding move forward in the same buffers, attention skips the rest), the draft and verify steps keep
+    their shapes (one graph each, no recompile), and every row still ends exactly as it does alone."""
     target = near_bigram_target("llama")
     rows = row_prompts(target.config.vocab_size, seed=3)
     alone = [target.generate(r, do_sample=False, max_new_tokens=30, eos_token_id=None)[0, r.shape[1]:].tolist()
@@ -139,15 +141,31 @@ def test_compiled_self_draft_keeps_one_graph_as_rows_leave():
     ends = {e: [a.index(e) + 1 if e in a else 30 for a in alone] for e in alone[0][:12]}
     eos = next(e for e, end in ends.items() if sum(n < 20 for n in end) >= 2 and max(end) == 30)  # 2 rows stop early
     drafter = StreamingSelfDrafter(target, sink=2, window=4, gamma=3, compile=True)
-    gen = SpeculativeGenerator(target, drafter)
+    gen = SpeculativeGenerator(target, drafter, compile=True)
     for _ in range(2):
         assert_rows_match(gen, target, rows, max_new=30, eos=eos)
-        assert gen.batch_runner.batch < len(rows)  # finished rows left the target's buffers
+        runner = gen.batch_runner
+        assert runner.batch < len(rows) and runner.rows == len(rows)  # finished rows left; the buffers kept shape
         assert drafter.alive < len(rows) and drafter.kv_shape[0] == len(rows)
     assert list(drafter.compile_s) == [len(rows)]
+    assert sorted(n for _, _, n in runner.compile_s) == [4] and runner.compiled
     for pick in ([0, 1], [0, 1, 2, 3], [1, 3]):  # other batch sizes and back: each keeps its own graph and buffers
         assert_rows_match(gen, target, [rows[i] for i in pick], max_new=30, eos=eos)
     assert sorted(drafter.compile_s) == [2, 4]
+    assert sorted(r for r, _, _ in runner.compile_s) == [2, 4]
+
+
+def test_attention_skips_rows_not_in_use():
+    """The matmul kernel with `rows`: the leading rows exactly as without it, the others zeros (never read)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(4, 6, 3, 8, generator=gen)
+    k, v = torch.randn(4, 2, 10, 8, generator=gen), torch.randn(4, 2, 10, 8, generator=gen)
+    mask = torch.zeros(4, 1, 3, 10)
+    mask[..., 7:] = float("-inf")
+    full = prefix_attention(q, k, v, mask, 0.3, torch.tensor(10), torch.tensor(4))
+    some = prefix_attention(q, k, v, mask, 0.3, torch.tensor(10), torch.tensor(2))
+    torch.testing.assert_close(some[:2], full[:2])
+    assert some[2:].abs().sum() == 0 and full[2:].abs().sum() > 0
 
 
 def test_batch_of_one_is_the_single_sequence_path():
