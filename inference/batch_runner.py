@@ -22,10 +22,12 @@ Prompts are prefilled in chunks under SDPA over the used prefix of the buffers (
 long query blocks); the short verify steps use the same attention kernel as the single-sequence fast runner
 (attention.py), over the whole buffer: in bf16 a sliced buffer makes the batched matmul copy it (measured 24 ms
 against 7 ms per layer for 8 rows of 8k keys), while the buffer is sized to the batch's longest row anyway.
-With `compile`, the verify step is one torch.compile graph per (buffer rows, tree size) (inductor with prepacked
-weights on CPU: 8 rows × 8k keys, SmolLM2 bf16, 2-core Zen 5 EPYC: one token per row 89 -> 78 ms, four 131 ->
-115 ms); a graph keeps the buffers it was traced with, so the runner keeps one set of buffers per (rows,
-capacity) for its lifetime. Prefill runs eagerly.
+With `compile`, the verify step is one torch.compile graph per tree size for the current buffers (inductor with
+prepacked weights on CPU: 8 rows × 8k keys, SmolLM2 bf16, 2-core Zen 5 EPYC: one token per row 89 -> 78 ms, four
+131 -> 115 ms). A graph keeps the buffers it was traced with and its own prepacked weights, so buffers of a new
+shape (rows, capacity) come with a new step, and the old buffers are freed with the old step's graphs: memory
+stays that of one batch shape (keeping every shape's buffers ran a 2k/4k/8k × 1-16 rows grid out of 24 GB).
+Prefill runs eagerly.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from drafthead.masks import to_additive
 
 from .attention import PREFILL_NAME, attention_implementation, kv_length_kwargs
 from .slots import copy_rows
-from .static_runner import attach_target, buffer_capacity, compile_step, set_write_slot, static_cache
+from .static_runner import attach_target, buffer_capacity, compile_step, release_step, set_write_slot, static_cache
 
 PREFILL_CHUNK = 512
 
@@ -69,9 +71,9 @@ class BatchRunner:
         attach_target(self, model, feature_layers, "batched decoding runs on static KV buffers, which do not support")
         self.prefill_chunk = prefill_chunk
         self.compiled = compile
-        self._step = compile_step(self._step_forward, self.device) if compile else self._step_forward
         self.compile_s: dict[tuple[int, int, int], float] = {}  # (rows, capacity, tree size) -> first step's seconds
-        self._caches: dict[tuple[int, int], StaticCache] = {}  # (rows, capacity) -> buffers a graph was traced on
+        self._step = None  # the verify step of the current buffers (built on first use)
+        self._traced: set[int] = set()  # tree sizes the current step has run
         self.cache: StaticCache | None = None
         self.capacity = 0
         self.slot_ids = torch.zeros(0, dtype=torch.long, device=self.device)  # arange(capacity)
@@ -84,12 +86,12 @@ class BatchRunner:
         largest tree); reused when they already fit."""
         capacity = buffer_capacity(length + 1)  # + the scratch slot
         if self.cache is None or self.rows != batch or self.capacity < capacity:
-            cache = self._caches.get((batch, capacity))
-            if cache is None:
-                cache = static_cache(self.model, batch, capacity)
-            if self.compiled:
-                self._caches[(batch, capacity)] = cache
-            self.cache = cache
+            # a compiled graph keeps the buffers it was traced with (and its own prepacked weights): new buffers get
+            # a new step, and the old buffers go with the old step's graphs, so memory stays that of one batch shape
+            release_step(self._step)
+            self.cache = self._step = None
+            self._traced = set()
+            self.cache = static_cache(self.model, batch, capacity)
             self.capacity = capacity
             self.slot_ids = torch.arange(capacity, device=self.device)
         self.start = self.length = torch.zeros(batch, dtype=torch.long, device=self.device)
@@ -268,12 +270,13 @@ class BatchRunner:
             tokens, positions, allowed = tokens[pad], positions[pad], allowed[pad]
         set_write_slot(self.cache, w)
         mask = to_additive(allowed.unsqueeze(1), self.dtype)
-        shape = (self.rows, self.capacity, n)
-        first = shape not in self.compile_s
+        if self._step is None:
+            self._step = compile_step(self._step_forward, self.device) if self.compiled else self._step_forward
         t0 = time.perf_counter()
         logits, features, greedy = self._step(tokens, positions, mask, torch.tensor(b))
-        if first:
-            self.compile_s[shape] = time.perf_counter() - t0
+        if n not in self._traced:
+            self._traced.add(n)
+            self.compile_s[(self.rows, self.capacity, n)] = time.perf_counter() - t0
         self.tree_at = w
         return logits[:b], (features[:b] if features is not None else None), greedy[:b]
 

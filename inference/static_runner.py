@@ -288,6 +288,7 @@ def compile_step(fn, device: torch.device):
         def run(*args):  # a graph's outputs are overwritten by the next replay: keep copies
             return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in graphed(*args))
 
+        run.drafthead_code = fn.__func__.__code__
         return run
     import torch._inductor.config
 
@@ -297,5 +298,16 @@ def compile_step(fn, device: torch.device):
     # a fixed ~15-20 us beyond streaming its weights (SmolLM2 bf16, 1 token, 2-core EPYC with AVX512-BF16: 211
     # calls a step -> 121, 12.5 -> 10.4 ms a token)
     torch._inductor.config.cpp.enable_concat_linear = True
-    return torch.compile(fn, dynamic=False, options=options)
+    step = torch.compile(fn, dynamic=False, options=options)
+    step.drafthead_code = fn.__func__.__code__
+    return step
+
+
+def release_step(step) -> None:
+    """Free the graphs of a compile_step() step (and the buffers and prepacked weights they hold): dynamo keeps a
+    code object's graphs alive beyond the compiled callable, so dropping the callable alone frees nothing
+    (measured: ~500 MB kept per batch shape, SmolLM2 bf16, 4 rows × 4k slots). No-op for an eager step."""
+    code = getattr(step, "drafthead_code", None)
+    if code is not None:
+        torch._C._dynamo.eval_frame.reset_code(code)
 

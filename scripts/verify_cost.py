@@ -1,13 +1,14 @@
 """Cost of one batched verify step against the number of tokens verified per row, at a given batch and context.
 
     python scripts/verify_cost.py --target PATH --batch-size 8 --context 8192 --queries 1,2,3,4,5,7 \
-        --out results/verify_cost.json
+        [--compile on] --out results/verify_cost.json
 
 Self-speculation (MagicDec) pays when verifying γ+1 tokens per row costs about what one token costs, which holds
 where a step is bound by reading the KV cache. This measures it on the batch runner itself: B rows whose buffers
 hold `context` committed entries (random values: the cost does not depend on them), then one verify step of n
 chained tokens per row for every n, the sizes taking turns for `--rounds` rounds (a shared machine has slow
-spells); reports the median and minimum milliseconds per size and the ratio to n = 1.
+spells); reports the median and minimum milliseconds per size and the ratio to n = 1. With `--compile on` each
+size is one compiled graph (as the grid bench runs it), compiled in the warm-up.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from drafthead.paths import cache_dir  # noqa: E402
 from drafthead.utils import atomic_write_json  # noqa: E402
 from inference.batch_runner import BatchRunner  # noqa: E402
 from inference.loading import load_causal_lm  # noqa: E402
+from inference.static_runner import compile_setting  # noqa: E402
 
 
 def measure(runner: BatchRunner, batch: int, context: int, queries: list[int], rounds: int) -> dict[int, list[float]]:
@@ -69,6 +71,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="off",
+                   help="compile the verify step (auto: CUDA only)")
     p.add_argument("--out", type=Path, default=Path("verify_cost.json"))
     args = p.parse_args()
     device = torch.device(args.device)
@@ -76,10 +80,11 @@ def main() -> None:
     model, _ = load_causal_lm(args.target, dtype)
     model = model.to(device=device, dtype=dtype).eval()
     queries = sorted({1, *(int(x) for x in args.queries.split(","))})  # ratios are to one token per row
-    times = measure(BatchRunner(model, []), args.batch_size, args.context, queries, args.rounds)
+    compile = compile_setting(args.compile, device)
+    times = measure(BatchRunner(model, [], compile=compile), args.batch_size, args.context, queries, args.rounds)
     median = {n: statistics.median(t) for n, t in times.items()}
     result = {"target": str(args.target), "device": str(device), "dtype": str(dtype), "cpu_flags": cpu_flags(),
-              "threads": torch.get_num_threads(), "batch": args.batch_size, "context": args.context,
+              "threads": torch.get_num_threads(), "compile": compile, "batch": args.batch_size, "context": args.context,
               "rounds": args.rounds,
               "verify_ms": {str(n): {"median": round(median[n], 1), "min": round(min(t), 1),
                                      "ratio_to_one_token": round(median[n] / median[queries[0]], 3)}

@@ -149,10 +149,18 @@ def test_compiled_batch_keeps_one_graph_as_rows_leave():
         assert drafter.alive < len(rows) and drafter.kv_shape[0] == len(rows)
     assert list(drafter.compile_s) == [len(rows)]
     assert sorted(n for _, _, n in runner.compile_s) == [4] and runner.compiled
-    for pick in ([0, 1], [0, 1, 2, 3], [1, 3]):  # other batch sizes and back: each keeps its own graph and buffers
+    for pick in ([0, 1], [0, 1, 2, 3], [1, 3]):  # other batch sizes and back: new buffers, new graphs
+        step = runner._step
+        assert cached_graphs(step)
         assert_rows_match(gen, target, [rows[i] for i in pick], max_new=30, eos=eos)
+        assert not cached_graphs(step)  # the replaced buffers' graphs were freed with them
     assert sorted(drafter.compile_s) == [2, 4]
     assert sorted(r for r, _, _ in runner.compile_s) == [2, 4]
+
+
+def cached_graphs(step) -> list:
+    """The graphs dynamo holds for a compiled step's code."""
+    return torch._dynamo.eval_frame._debug_get_cache_entry_list(step.drafthead_code)
 
 
 def test_attention_skips_rows_not_in_use():
