@@ -197,21 +197,21 @@ class BatchRunner:
         """One verify step over the whole buffers (B rows of the buffers, n tokens each; `mask` additive (B, 1, n,
         capacity)), attention computed for the leading `rows` rows only (0-dim tensor). Returns (logits (B, n, V),
         features (B, n, F) or None, argmax (B, n)): the compiled graph when compile is on."""
-        if self.capture is not None:
-            self.capture.recording = True
-        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                         past_key_values=self.cache, use_cache=True, **kv_length_kwargs(self.model, None, rows))
-        features = None
-        if self.capture is not None:
-            features = self.capture.stacked(self.feature_layers)
-            self.capture.recording = False
+        logits, features = self._with_features(lambda: self.model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=mask, past_key_values=self.cache,
+            use_cache=True, **kv_length_kwargs(self.model, None, rows)))
         # the greedy choice inside the graph: a fused argmax beats eager bf16 argmax over the vocabulary
-        return out.logits, features, out.logits.argmax(dim=-1)
+        return logits, features, logits.argmax(dim=-1)
 
     def _forward(self, input_ids, position_ids, allowed, write_at: int, kv_length: int | None, keep: int = 0):
+        return self._with_features(lambda: forward_on_cache(self.model, self.cache, input_ids, position_ids, allowed,
+                                                            write_at, kv_length, keep))
+
+    def _with_features(self, forward) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits, the head's features or None) of `forward()`, a model forward with the feature hooks recording."""
         if self.capture is not None:
             self.capture.recording = True
-        out = forward_on_cache(self.model, self.cache, input_ids, position_ids, allowed, write_at, kv_length, keep)
+        out = forward()
         features = None
         if self.capture is not None:
             features = self.capture.stacked(self.feature_layers)
