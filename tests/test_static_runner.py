@@ -105,6 +105,34 @@ def test_matmul_attention_reads_only_the_used_prefix_of_a_buffer(used):
     torch.testing.assert_close(ours, ref)
 
 
+@pytest.mark.parametrize("queries", [4, 20])  # traced inline / the opaque op (a prompt's chunk)
+def test_compiled_matmul_attention_traces_short_query_blocks(queries):
+    """Inside a compiled step short query blocks are traced (no opaque op in the graph), longer ones call the op;
+    both give eager attention's result."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    from inference.attention import TRACED_MAX_QUERIES
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = 3, False
+    q, k, v = torch.randn(1, 9, queries, 16), torch.randn(1, 3, 48, 16), torch.randn(1, 3, 48, 16)
+    mask = torch.zeros(1, 1, queries, 48)
+    mask[..., 30:] = torch.finfo(torch.float32).min
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    attend = torch.compile(lambda *a: matmul_attention(module, *a, scaling=0.25)[0], backend=record, fullgraph=True)
+    ours = attend(q, k, v, mask)
+    ref, _ = eager_attention_forward(module, q, k, v, mask, scaling=0.25)
+    torch.testing.assert_close(ours, ref)
+    targets = {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    assert any("prefix_attention" in t for t in targets) == (queries > TRACED_MAX_QUERIES), targets
+
+
 def test_bf16_static_runner_uses_matmul_attention_and_restores_the_model():
     target = tiny_model("llama", dtype=torch.bfloat16)
     gen = SpeculativeGenerator(target, oracle_head(target).to(torch.bfloat16).attach_target(target), tree="chain",
