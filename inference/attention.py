@@ -142,9 +142,12 @@ def kv_length_kwargs(model: nn.Module, kv_length: int | torch.Tensor | None,
     return kwargs
 
 
-def prefers_matmul_attention(device: torch.device, dtype: torch.dtype) -> bool:
-    """True where matmul attention beats SDPA for short query blocks: CPU in bf16/fp16."""
-    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+def prefers_matmul_attention(device: torch.device, dtype: torch.dtype, compiled: bool = False) -> bool:
+    """True where matmul attention beats SDPA for short query blocks: CPU in bf16/fp16, and CPU in any dtype inside
+    compiled steps, where short blocks are traced and fused (SmolLM2-135M fp32, 2-core Xeon with AMX, engine plain
+    decoding of 10 MT-bench prompts × 64 tokens: 35.8 tokens/s on SDPA, 39.2 on the traced kernel; eager fp32 SDPA
+    is as fast as the matmuls)."""
+    return device.type == "cpu" and (compiled or dtype in (torch.bfloat16, torch.float16))
 
 
 @contextlib.contextmanager

@@ -53,7 +53,7 @@ class HeadRunner:
         self.dtype = next(head.parameters()).dtype
         self.device = next(head.parameters()).device
         self.cache = SlotCache()
-        if prefers_matmul_attention(self.device, self.dtype):
+        if prefers_matmul_attention(self.device, self.dtype, compile):
             # a drafting depth is a few queries over the whole buffer: the matmul kernel, not SDPA (CPU, bf16,
             # SmolLM2's head on a 2-core EPYC: SDPA ~0.33 ms a call; a 2/6/11 tree's drafting 3.2 -> 2.4 ms a
             # step). Same attention, so the head's outputs are unchanged up to rounding.

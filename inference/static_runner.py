@@ -73,10 +73,11 @@ def set_write_slot(cache: StaticCache, slot: int) -> None:
         layer.cumulative_length.fill_(slot)
 
 
-def attach_target(runner, model: nn.Module, feature_layers: list[int], refusal: str) -> None:
+def attach_target(runner, model: nn.Module, feature_layers: list[int], refusal: str, compile: bool = False) -> None:
     """The part of a static-buffer runner's set-up every runner shares: refuse a model the buffers cannot serve
     (NotImplementedError starting with `refusal`), then set runner.model, .feature_layers, .capture (hooks on those
-    decoder layers, or None), .dtype, .device and .attention (the kernel switched in per session; attention.py)."""
+    decoder layers, or None), .dtype, .device and .attention (the kernel switched in per session, which depends on
+    whether the runner's steps are `compile`d; attention.py)."""
     reason = static_cache_supported(model)
     if reason is not None:
         raise NotImplementedError(f"{refusal} {reason}")
@@ -85,7 +86,8 @@ def attach_target(runner, model: nn.Module, feature_layers: list[int], refusal: 
     runner.capture = HiddenStateCapture(model, runner.feature_layers).attach() if runner.feature_layers else None
     runner.dtype = next(model.parameters()).dtype
     runner.device = next(model.parameters()).device
-    runner.attention = MATMUL_ATTENTION if prefers_matmul_attention(runner.device, runner.dtype) else None
+    matmul = prefers_matmul_attention(runner.device, runner.dtype, compile)
+    runner.attention = MATMUL_ATTENTION if matmul else None
 
 
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
@@ -101,7 +103,7 @@ class StaticRunner:
 
     def __init__(self, model: nn.Module, feature_layers: list[int], compile: bool = False,
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS, capacity: int = MIN_CAPACITY):
-        attach_target(self, model, feature_layers, "static KV buffers do not support")
+        attach_target(self, model, feature_layers, "static KV buffers do not support", compile)
         self.buckets = tuple(sorted(buckets))
         self.compiled = compile
         self.compile_s: dict[int, float] = {}  # bucket -> seconds of its first (compiling) call

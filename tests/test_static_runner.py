@@ -143,6 +143,22 @@ def test_bf16_static_runner_uses_matmul_attention_and_restores_the_model():
     assert target.config._attn_implementation == before  # switched only while decoding
 
 
+def test_compiled_cpu_runners_attend_through_the_matmul_kernel_in_every_dtype():
+    """Compiled CPU steps trace the matmul kernel (fused; faster than SDPA there in fp32 too); eager fp32 keeps SDPA."""
+    from inference.batch_runner import BatchRunner
+    from inference.head_runner import HeadRunner
+
+    target = tiny_model("llama")  # float32
+    assert StaticRunner(target, [], compile=True).attention == "drafthead_matmul"
+    assert BatchRunner(target, [], compile=True).attention == "drafthead_matmul"
+    assert StaticRunner(target, []).attention is None
+    head = oracle_head(target).attach_target(target)
+    HeadRunner(head)
+    assert head.midlayer.self_attn.config._attn_implementation != "drafthead_matmul"
+    HeadRunner(head, compile=True)
+    assert head.midlayer.self_attn.config._attn_implementation == "drafthead_matmul"
+
+
 def test_sliding_window_target_falls_back_to_eager(capsys):
     """A sliding-window target runs on the eager runner (exact while the sequence fits the window)."""
     target = tiny_model("mistral", sliding_window=64)
