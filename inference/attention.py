@@ -99,11 +99,11 @@ def matmul_attention(
     b, _, n, _ = query.shape
     if attention_mask is None:
         attention_mask = query.new_zeros(b, 1, n, key.shape[2])
+    if drafthead_rows is None and n <= TRACED_MAX_QUERIES and torch.compiler.is_compiling():
+        return attend(query, key, value, attention_mask, scaling), None
     if drafthead_kv_length is None:
         drafthead_kv_length = torch.tensor(key.shape[2])
     if drafthead_rows is None:
-        if torch.compiler.is_compiling() and n <= TRACED_MAX_QUERIES:
-            return attend(query, key, value, attention_mask, scaling), None
         drafthead_rows = torch.tensor(b)
     return prefix_attention(query, key, value, attention_mask, scaling, drafthead_kv_length, drafthead_rows), None
 

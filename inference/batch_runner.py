@@ -44,7 +44,8 @@ from drafthead.masks import to_additive
 
 from .attention import PREFILL_NAME, attention_implementation, kv_length_kwargs
 from .slots import copy_rows
-from .static_runner import attach_target, buffer_capacity, compile_step, release_step, set_write_slot, static_cache
+from .static_runner import (attach_target, buffer_capacity, compile_step, forward_with_features, release_step,
+                            set_write_slot, static_cache)
 
 PREFILL_CHUNK = 512
 
@@ -90,7 +91,7 @@ class BatchRunner:
             # a compiled graph keeps the buffers it was traced with (and its own prepacked weights): new buffers get
             # a new step, and the old buffers go with the old step's graphs, so memory stays that of one batch shape
             release_step(self._step)
-            self.cache = self._step = None
+            self.cache = self._step = None  # the old buffers can go before the new ones are allocated
             self._traced = set()
             self.cache = static_cache(self.model, batch, capacity)
             self.capacity = capacity
@@ -198,26 +199,15 @@ class BatchRunner:
         """One verify step over the whole buffers (B rows of the buffers, n tokens each; `mask` additive (B, 1, n,
         capacity)), attention computed for the leading `rows` rows only (0-dim tensor). Returns (logits (B, n, V),
         features (B, n, F) or None, argmax (B, n)): the compiled graph when compile is on."""
-        logits, features = self._with_features(lambda: self.model(
+        logits, features = forward_with_features(self, lambda: self.model(
             input_ids=input_ids, position_ids=position_ids, attention_mask=mask, past_key_values=self.cache,
             use_cache=True, **kv_length_kwargs(self.model, None, rows)))
         # the greedy choice inside the graph: a fused argmax beats eager bf16 argmax over the vocabulary
         return logits, features, logits.argmax(dim=-1)
 
     def _forward(self, input_ids, position_ids, allowed, write_at: int, kv_length: int | None, keep: int = 0):
-        return self._with_features(lambda: forward_on_cache(self.model, self.cache, input_ids, position_ids, allowed,
-                                                            write_at, kv_length, keep))
-
-    def _with_features(self, forward) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logits, the head's features or None) of `forward()`, a model forward with the feature hooks recording."""
-        if self.capture is not None:
-            self.capture.recording = True
-        out = forward()
-        features = None
-        if self.capture is not None:
-            features = self.capture.stacked(self.feature_layers)
-            self.capture.recording = False
-        return out.logits, features
+        return forward_with_features(self, lambda: forward_on_cache(self.model, self.cache, input_ids, position_ids,
+                                                                    allowed, write_at, kv_length, keep))
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor,

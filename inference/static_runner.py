@@ -90,6 +90,19 @@ def attach_target(runner, model: nn.Module, feature_layers: list[int], refusal: 
     runner.attention = MATMUL_ATTENTION if matmul else None
 
 
+def forward_with_features(runner, forward) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits, the head's features or None) of `forward()`, a forward of the runner's model with its feature hooks
+    (attach_target) recording."""
+    if runner.capture is not None:
+        runner.capture.recording = True
+    out = forward()
+    features = None
+    if runner.capture is not None:
+        features = runner.capture.stacked(runner.feature_layers)
+        runner.capture.recording = False
+    return out.logits, features
+
+
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     """The smallest bucket that holds n tokens."""
     for b in buckets:
@@ -147,16 +160,11 @@ class StaticRunner:
 
     # --------------------------------------------------------------------------------------------- forward
     def _forward(self, input_ids, position_ids, attention_mask, kv_length):
-        if self.capture is not None:
-            self.capture.recording = True
-        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                         past_key_values=self.cache, use_cache=True, **kv_length_kwargs(self.model, kv_length))
-        features = None
-        if self.capture is not None:
-            features = self.capture.stacked(self.feature_layers)
-            self.capture.recording = False
+        logits, features = forward_with_features(self, lambda: self.model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, past_key_values=self.cache,
+            use_cache=True, **kv_length_kwargs(self.model, kv_length)))
         # the greedy choice inside the graph: a fused argmax beats eager bf16 argmax over 49k logits (~0.7 ms)
-        return out.logits, features, out.logits.argmax(dim=-1)
+        return logits, features, logits.argmax(dim=-1)
 
     def _mask(self, ancestors: torch.Tensor) -> torch.Tensor:
         """(1, 1, n, capacity) additive mask: the prefix, then the tree's ancestor pattern, nothing after."""
