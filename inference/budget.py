@@ -6,9 +6,14 @@
    its rank among its siblings, its rank within its depth and its score rank, and whether it was accepted.
 3. For each candidate (depth, top_k, total_tokens), replay the recorded trees under that budget (the nodes a smaller
    tree would have kept; a path is accepted up to its first node the budget drops), giving the expected tokens per
-   step tau; choose the budget maximising tau / (draft + verify + overhead) — expected tokens per second. On a
-   compiled runner the drafting costs of step 1 come from the head's passes compiled piecewise (shared by every
-   shape); the best few shapes are then re-priced with their drafting step compiled whole, as decoding runs it.
+   step tau, and predict tokens/s as tau / (draft + verify + overhead). On a compiled runner the drafting costs of
+   step 1 come from the head's passes compiled piecewise (shared by every shape).
+4. Trial: the best predicted tree of each of the few best verify sizes, and plain decoding, decode the calibration
+   prompts on the runner itself, taking turns (each tree's drafting step compiled whole, as decoding runs it); the
+   measured ms per step (prefill excluded) times the replayed tau decides, and plain decoding wins unless a tree
+   is measured faster. Predictions alone were not enough: on a 2-core Zen 4 EPYC an 8-token verification cost
+   ~2.5 ms more than a plain step when timed alone but ~7 ms more inside decoding over an 1,152-slot buffer, and
+   the tuner chose a 7-token tree that ran at 1.25x plain decoding where a 3-token tree ran at 1.39x.
 GPU-tuned trees (60 tokens) are wrong on a CPU, where verifying 16 tokens already costs ~1.7x a single step.
 """
 
@@ -35,7 +40,8 @@ CALIBRATION_TREE = TreeOptions(depth=8, top_k=10, total_tokens=80)
 DEPTHS = range(1, 9)
 TOP_KS = (1, 2, 3, 4, 6, 8, 10)
 TOTALS = tuple(range(1, 17)) + (20, 24, 28, 32, 40, 48, 56, 60, 64, 80)
-REFINED_SHAPES = 4  # compiled runner: the best shapes re-priced with their drafting step compiled whole
+TRIAL_TREES = 4  # the best predicted tree of this many verify sizes decodes for real before the choice
+TRIAL_ROUNDS = 2  # each trial generator decodes every calibration prompt this many times (taking turns)
 
 
 @dataclass
@@ -123,6 +129,7 @@ def measure_verify_ms(runner, prefix: torch.Tensor, sizes, reps: int = 15) -> di
     return {n: statistics.median(t) for n, t in times.items()}
 
 
+
 @torch.inference_mode()
 def measure_draft_ms(runner, head: DraftHead, prefix: torch.Tensor, trees: list[TreeOptions], reps: int = 5,
                      compile: bool = False, whole: bool = False) -> dict[TreeOptions, float]:
@@ -161,6 +168,26 @@ def measure_draft_ms(runner, head: DraftHead, prefix: torch.Tensor, trees: list[
             step()  # warm-up (and the one-time compile of this shape)
             out[options] = _median_ms(step, reps, device, between=target_step)
         return out
+
+
+def measure_decoding_ms(model: nn.Module, head: DraftHead, runner, trees: list[TreeOptions | None],
+                        inputs: list[torch.Tensor], max_new_tokens: int, rounds: int = TRIAL_ROUNDS) -> dict:
+    """{tree: median ms per decoding step (prefill excluded)} of real greedy generations of `inputs` on `runner`
+    (None: plain decoding): each tree's drafting step compiled whole when the runner compiles, the verification,
+    compaction and bookkeeping, all as decoding runs them. One untimed generation each first (compiles), then the
+    generators take turns prompt by prompt for `rounds` rounds."""
+    compiled = getattr(runner, "compiled", False)
+    gens = {tree: SpeculativeGenerator(model, head if tree else None, tree=tree or "none", runner=runner,
+                                       compile=compiled) for tree in trees}
+    for gen in gens.values():
+        gen.generate(inputs[0], max_new_tokens=max_new_tokens)
+    per_step = {tree: [] for tree in trees}
+    for _ in range(rounds):
+        for ids in inputs:
+            for tree, gen in gens.items():
+                s = gen.generate(ids, max_new_tokens=max_new_tokens).stats
+                per_step[tree].append(1000 * (s.total_time_s - s.prefill_time_s) / max(len(s.accept_lengths), 1))
+    return {tree: statistics.median(v) for tree, v in per_step.items()}
 
 
 def _ranks(values: torch.Tensor) -> torch.Tensor:
@@ -226,7 +253,7 @@ def auto_tree(
 ) -> tuple[TreeOptions | None, dict]:
     """Choose the tree budget that maximises expected tokens/s on this device, dtype and runner (the one the
     generator will use: pass it; default a new static-or-eager runner). Returns (options, report); options is None
-    when plain decoding on the same runner is predicted to be at least as fast as every tree."""
+    when plain decoding on the same runner was measured at least as fast as every tree in the trial."""
     if runner is None:
         runner = make_runner(model, head.config.aux_layer_ids)
     # acceptance does not depend on the runner: record it on the eager one, which takes trees of any size
@@ -244,17 +271,20 @@ def auto_tree(
     gen.runner.close()
     prefix = last[:, -256:] if last.shape[1] > 256 else last
     sizes = verify_sizes(runner)
-    verify_ms = measure_verify_ms(runner, prefix, sizes)
     compiled = getattr(runner, "compiled", False)
+    verify_ms = measure_verify_ms(runner, prefix, sizes)
     shapes = [TreeOptions(depth=d, top_k=k, total_tokens=max(TOTALS)) for k in TOP_KS for d in DEPTHS]
     draft_ms = {(o.depth, o.top_k): ms
                 for o, ms in measure_draft_ms(runner, head, prefix, shapes, compile=compiled).items()}
     overhead = statistics.median(overhead_ms)
 
-    def verify_cost(total: int) -> float:  # a tree is padded to the next measured size
-        return verify_ms[min(n for n in verify_ms if n >= total)]
+    def verify_size(total: int) -> int:  # a tree is padded to the next measured size
+        return min(n for n in verify_ms if n >= total)
 
-    best, table = None, []
+    def verify_cost(total: int) -> float:
+        return verify_ms[verify_size(total)]
+
+    table = []
     for depth in DEPTHS:
         for top_k in TOP_KS:
             for total in TOTALS:
@@ -264,25 +294,17 @@ def auto_tree(
                 step_ms = draft_ms[(depth, top_k)] + verify_cost(total) + overhead
                 tps = 1000 * tau / step_ms
                 table.append((tps, tau, step_ms, depth, top_k, total))
-                if best is None or tps > best[0]:
-                    best = table[-1]
-    whole_ms = {}
-    if compiled:  # decoding compiles each tree's drafting step whole: price the best few shapes that way
-        finalists = []
-        for row in sorted(table, reverse=True):
-            if all(row[3:5] != f[3:5] for f in finalists):
-                finalists.append(row)
-            if len(finalists) == REFINED_SHAPES:
-                break
-        trees = [TreeOptions(depth=d, top_k=k, total_tokens=n) for *_, d, k, n in finalists]
-        whole_ms = measure_draft_ms(runner, head, prefix, trees, compile=True, whole=True)
-        refined = []
-        for (_, tau, _, depth, top_k, total), options in zip(finalists, trees):
-            step_ms = whole_ms[options] + verify_cost(total) + overhead
-            refined.append((1000 * tau / step_ms, tau, step_ms, depth, top_k, total))
-        best = max(refined)
-    tps, tau, step_ms, depth, top_k, total = best
-    plain_ms = verify_ms[0] + overhead
+    # 4. the trial: the best predicted tree of each of the TRIAL_TREES best verify sizes, and plain decoding
+    finalists: dict[int, tuple] = {}
+    for row in sorted(table, reverse=True):
+        finalists.setdefault(verify_size(row[5]), row)
+    finalists = dict(list(finalists.items())[:TRIAL_TREES])
+    trees = [TreeOptions(depth=d, top_k=k, total_tokens=n) for *_, d, k, n in finalists.values()]
+    trial_ms = measure_decoding_ms(model, head, runner, [None, *trees], calibration_inputs, max_new_tokens)
+    plain_ms = trial_ms.pop(None)
+    measured = [(1000 * tau / trial_ms[o], tau, trial_ms[o], o.depth, o.top_k, o.total_tokens)
+                for (_, tau, *_), o in zip(finalists.values(), trees)]
+    tps, tau, step_ms, depth, top_k, total = max(measured)
     options = TreeOptions(depth=depth, top_k=top_k, total_tokens=total) if tps > 1000 / plain_ms else None
     gpu = TREE_PRESETS["gpu"]
     gpu_tree = None  # the GPU preset's prediction, where the runner verifies a tree that large
@@ -293,12 +315,13 @@ def auto_tree(
     report = {
         "runner": type(runner).__name__,
         "chosen": {"depth": depth, "top_k": top_k, "total_tokens": total} if options else "none",
-        "predicted": {"tau": tau, "step_ms": step_ms, "tokens_per_s": tps},
+        "predicted": {"tau": tau, "step_ms": step_ms, "tokens_per_s": tps},  # step_ms measured in the trial
         "predicted_plain": {"step_ms": plain_ms, "tokens_per_s": 1000 / plain_ms},
+        "trial": [dict(zip(("tokens_per_s", "tau", "step_ms", "depth", "top_k", "total_tokens"), row))
+                  for row in sorted(measured, reverse=True)],
         "predicted_gpu_tree": gpu_tree,
         "verify_ms": {str(k): v for k, v in verify_ms.items()},
         "draft_ms": {f"{d},{k}": v for (d, k), v in draft_ms.items()},
-        "draft_ms_whole": {f"{o.depth},{o.top_k},{o.total_tokens}": v for o, v in whole_ms.items()},
         "overhead_ms": overhead,
         "calibration_steps": len(records),
         "top_candidates": [dict(zip(("tokens_per_s", "tau", "step_ms", "depth", "top_k", "total_tokens"), row))
@@ -306,6 +329,6 @@ def auto_tree(
     }
     if verbose:
         choice = f"depth={depth} top_k={top_k} total_tokens={total}" if options else "none (plain decoding)"
-        print(f"tree auto: {choice} (best tree: predicted tau {tau:.2f}, {step_ms:.1f} ms/step, {tps:.1f} tok/s; "
-              f"plain step {plain_ms:.1f} ms = {1000 / plain_ms:.1f} tok/s)", flush=True)
+        print(f"tree auto: {choice} (best tree: replayed tau {tau:.2f}, measured {step_ms:.1f} ms/step, "
+              f"{tps:.1f} tok/s; plain step {plain_ms:.1f} ms = {1000 / plain_ms:.1f} tok/s)", flush=True)
     return options, report

@@ -65,7 +65,7 @@ class GenerationStats:
     accepted_by: dict[str, int] = field(default_factory=dict)
     rows_new_tokens: list[int] = field(default_factory=list)  # batch: new tokens of each row
     rows_steps: list[int] = field(default_factory=list)  # batch: verifications each row took until it stopped
-    prefill_time_s: float = 0.0  # batch: prompt forward + the drafter's begin (inside verify_time_s for one row)
+    prefill_time_s: float = 0.0  # prompt forward + the drafter's begin (one row: also inside verify_time_s)
     admit_time_s: float = 0.0  # continuous batching: waiting requests loaded into freed rows
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0  # target forwards (prefill included) + verification + cache compaction
@@ -424,7 +424,8 @@ class SpeculativeGenerator:
         stats.target_forwards += 1
         drafter.begin(input_ids, features, input_ids.shape[1] + stopper.max_new)
         sync()
-        stats.verify_time_s += time.perf_counter() - t0
+        stats.prefill_time_s = time.perf_counter() - t0
+        stats.verify_time_s += stats.prefill_time_s
         new: list[int] = []
         batch, root = first.tolist(), first.view(1)  # root: the last emitted token, on the device
         while True:

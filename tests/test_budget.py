@@ -50,13 +50,33 @@ def test_verify_sizes_take_turns(monkeypatch):
     assert runner.length == prefix.shape[1]
 
 
-def test_auto_tree_picks_a_tree_only_when_it_predicts_more_than_plain():
+def test_decoding_trial_times_real_steps():
+    """The trial decodes for real on the runner: plain decoding and each tree get a positive ms per step, and the
+    runner's buffers are left as they were sized."""
+    target = tiny_model("llama")
+    head = oracle_head(target).attach_target(target)
+    runner = StaticRunner(target, head.config.aux_layer_ids, buckets=(1, 4, 8))
+    capacity = runner.capacity
+    trees = [None, TreeOptions(depth=2, top_k=2, total_tokens=3), TreeOptions(depth=3, top_k=2, total_tokens=7)]
+    ms = budget.measure_decoding_ms(target, head, runner, trees, prompts(2, 320, seed=5), max_new_tokens=12,
+                                    rounds=1)
+    assert set(ms) == set(trees) and all(v > 0 for v in ms.values())
+    assert runner.capacity == capacity
+
+
+def test_auto_tree_picks_a_tree_only_when_it_measures_more_than_plain():
     target = tiny_model("llama")
     head = oracle_head(target).attach_target(target)
     runner = StaticRunner(target, head.config.aux_layer_ids, buckets=(1, 4, 8, 16))
     options, report = budget.auto_tree(target, head, prompts(2, 320, seed=4), max_new_tokens=24, verbose=False,
                                        runner=runner)
     plain = report["predicted_plain"]["tokens_per_s"]
+    trial = report["trial"]  # measured by decoding: one tree per verify bucket, best first
+    assert 1 <= len(trial) <= budget.TRIAL_TREES
+    assert len({runner.buckets[next(i for i, b in enumerate(runner.buckets) if b > t["total_tokens"])]
+                for t in trial}) == len(trial)
+    assert trial == sorted(trial, key=lambda t: -t["tokens_per_s"])
+    assert report["predicted"]["tokens_per_s"] == trial[0]["tokens_per_s"]
     if options is None:
         assert report["chosen"] == "none" and report["predicted"]["tokens_per_s"] <= plain
     else:
