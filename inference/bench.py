@@ -155,7 +155,7 @@ def summarise(method: Method, plain_tps: float | None, depth: int | None) -> dic
 
 def choose_tree(args, model, head, tokenizer, inputs, runner) -> tuple[TreeOptions | None, dict]:
     """The tree of the main speculative method: a preset, or `auto` (tuned on this hardware and runner; None when
-    plain decoding on the same runner is predicted to be faster than every tree)."""
+    plain decoding on the same runner was measured faster than every tree in the tuning trial)."""
     if args.tree != "auto":
         options = tree_options(args.tree)
         return options, {"chosen": dataclasses.asdict(options)}

@@ -129,14 +129,13 @@ def measure_verify_ms(runner, prefix: torch.Tensor, sizes, reps: int = 15) -> di
     return {n: statistics.median(t) for n, t in times.items()}
 
 
-
 @torch.inference_mode()
 def measure_draft_ms(runner, head: DraftHead, prefix: torch.Tensor, trees: list[TreeOptions], reps: int = 5,
-                     compile: bool = False, whole: bool = False) -> dict[TreeOptions, float]:
+                     compile: bool = False) -> dict[TreeOptions, float]:
     """Median ms of one drafting step for each tree shape: feeding the true pairs of the last verification (two of
     them; the feed is padded to depth + 1 anyway) and drafting the next tree, with the head's shared HeadRunner,
-    compiled or not like the generators that will use it; `whole`: each shape's step compiled as one graph (as
-    decoding runs it; one compile per shape), else the passes compiled piecewise (shared by every shape). Each
+    compiled or not like the generators that will use it (compiled: the head's passes piecewise, shared by every
+    shape; decoding compiles each shape's step whole, which the trial measures, measure_decoding_ms). Each
     timed draft follows a target step, as in decoding, where the target's forward streams its weights through the
     CPU caches between two drafts (a 2/4 draft on a 2-core Zen 5 EPYC, SmolLM2's head in bf16: 1.2 ms timed back
     to back, 2.3-2.5 ms after a target step, 2.5 ms a step inside decoding)."""
@@ -156,7 +155,7 @@ def measure_draft_ms(runner, head: DraftHead, prefix: torch.Tensor, trees: list[
         root = prefix[0, -1:]
         out = {}
         for options in trees:
-            drafter = TreeDrafter(head, options, head_runner_for(head, compile), whole=whole)
+            drafter = TreeDrafter(head, options, head_runner_for(head, compile), whole=False)
             drafter.reset(prefix.shape[1])
             drafter.runner.append(prefix[:, 1: start + 1], features[:, :start], 0)
 
