@@ -303,7 +303,8 @@ def auto_tree(
     plain_ms = trial_ms.pop(None)
     measured = [(1000 * tau / trial_ms[o], tau, trial_ms[o], o.depth, o.top_k, o.total_tokens)
                 for (_, tau, *_), o in zip(finalists.values(), trees)]
-    tps, tau, step_ms, depth, top_k, total = max(measured)
+    # no tree at all when the runner verifies none (a single one-token bucket)
+    tps, tau, step_ms, depth, top_k, total = max(measured, default=(0.0, 1.0, plain_ms, 0, 0, 0))
     options = TreeOptions(depth=depth, top_k=top_k, total_tokens=total) if tps > 1000 / plain_ms else None
     gpu = TREE_PRESETS["gpu"]
     gpu_tree = None  # the GPU preset's prediction, where the runner verifies a tree that large

@@ -83,3 +83,13 @@ def test_auto_tree_picks_a_tree_only_when_it_measures_more_than_plain():
         assert report["predicted"]["tokens_per_s"] > plain
         assert report["chosen"] == {"depth": options.depth, "top_k": options.top_k,
                                     "total_tokens": options.total_tokens}
+
+
+def test_auto_tree_without_tree_buckets_chooses_plain_decoding():
+    """A runner that verifies only one token at a time leaves the trial nothing but plain decoding."""
+    target = tiny_model("llama")
+    head = oracle_head(target).attach_target(target)
+    runner = StaticRunner(target, head.config.aux_layer_ids, buckets=(1,))
+    options, report = budget.auto_tree(target, head, prompts(1, 320, seed=6), max_new_tokens=8, verbose=False,
+                                       runner=runner)
+    assert options is None and report["chosen"] == "none" and report["trial"] == []
