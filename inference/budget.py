@@ -270,8 +270,8 @@ def auto_tree(
     gen.runner.close()
     prefix = last[:, -256:] if last.shape[1] > 256 else last
     sizes = verify_sizes(runner)
-    compiled = getattr(runner, "compiled", False)
     verify_ms = measure_verify_ms(runner, prefix, sizes)
+    compiled = getattr(runner, "compiled", False)
     shapes = [TreeOptions(depth=d, top_k=k, total_tokens=max(TOTALS)) for k in TOP_KS for d in DEPTHS]
     draft_ms = {(o.depth, o.top_k): ms
                 for o, ms in measure_draft_ms(runner, head, prefix, shapes, compile=compiled).items()}

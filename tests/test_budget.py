@@ -8,7 +8,7 @@ from test_inference_greedy import oracle_head, prompts
 from tiny import tiny_model
 
 from inference import TreeOptions, budget
-from inference.static_runner import StaticRunner
+from inference.static_runner import StaticRunner, bucket_for
 
 torch.set_num_threads(1)
 
@@ -73,8 +73,7 @@ def test_auto_tree_picks_a_tree_only_when_it_measures_more_than_plain():
     plain = report["predicted_plain"]["tokens_per_s"]
     trial = report["trial"]  # measured by decoding: one tree per verify bucket, best first
     assert 1 <= len(trial) <= budget.TRIAL_TREES
-    assert len({runner.buckets[next(i for i, b in enumerate(runner.buckets) if b > t["total_tokens"])]
-                for t in trial}) == len(trial)
+    assert len({bucket_for(t["total_tokens"] + 1, runner.buckets) for t in trial}) == len(trial)
     assert trial == sorted(trial, key=lambda t: -t["tokens_per_s"])
     assert report["predicted"]["tokens_per_s"] == trial[0]["tokens_per_s"]
     if options is None:
