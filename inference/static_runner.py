@@ -8,7 +8,9 @@ positions returning logits + the head's features, commit() of the accepted nodes
   down to past..past+k-1 with index_copy_ and sets the length back. Nothing is concatenated or reallocated per step,
   and the buffers keep their addresses (what CUDA graphs need).
 - A tree is padded to the next size in `buckets`, so each bucket is one shape: one compiled graph (one CUDA graph)
-  per bucket, never a recompile while generating. Padded nodes attend only to themselves and are never kept.
+  per bucket, never a recompile while generating. Padded nodes attend only to themselves and are never kept. On
+  CPU the buckets of up to SMALL_GEMM_ROWS tokens (plain decoding, the smallest trees) compile inductor's own C++
+  GEMMs, larger ones oneDNN's (compile_step).
 - The attention mask spans the whole buffer, (1, 1, n, capacity): 0 on the cached prefix and on each node's
   ancestors, dtype-min elsewhere (transformers passes a 4D mask through unchanged).
 - Feature hooks stay registered for the runner's lifetime (compile traces them once).
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import time
 import types
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -33,6 +36,8 @@ from .attention import NAME as MATMUL_ATTENTION
 from .attention import attention_implementation, kv_length_kwargs, prefers_matmul_attention
 
 DEFAULT_BUCKETS = (1, 4, 8, 12, 16, 32, 64)
+# CPU: verify buckets up to this many tokens are compiled with inductor's C++ GEMM templates (see compile_step)
+SMALL_GEMM_ROWS = 4
 MIN_CAPACITY = 256
 CAPACITY_STEP = 128
 
@@ -123,9 +128,7 @@ class StaticRunner:
         self.cache: StaticCache | None = None
         self.capacity = 0
         self._length = 0
-        self._step = self._forward
-        if compile:
-            self._step = compile_step(self._forward, self.device)
+        self._steps: dict[int, Callable] = {}  # bucket -> its compiled step (its own code object and graphs)
         self.reserve(capacity)
 
     # --------------------------------------------------------------------------------------------- buffers
@@ -165,6 +168,16 @@ class StaticRunner:
             use_cache=True, **kv_length_kwargs(self.model, kv_length)))
         # the greedy choice inside the graph: a fused argmax beats eager bf16 argmax over 49k logits (~0.7 ms)
         return logits, features, logits.argmax(dim=-1)
+
+    def _step(self, size: int) -> Callable:
+        """The forward for a `size`-token bucket: eager, or its own compiled step (built on first use; small
+        buckets with inductor's C++ GEMMs on CPU)."""
+        if not self.compiled:
+            return self._forward
+        if size not in self._steps:
+            self._steps[size] = compile_step(self._forward, self.device, small_gemm=size <= SMALL_GEMM_ROWS,
+                                             name=f"bucket{size}")
+        return self._steps[size]
 
     def _mask(self, ancestors: torch.Tensor) -> torch.Tensor:
         """(1, 1, n, capacity) additive mask: the prefix, then the tree's ancestor pattern, nothing after."""
@@ -229,7 +242,7 @@ class StaticRunner:
         first = size not in self.compile_s
         start = time.perf_counter()
         kv_length = torch.tensor(past + size)  # buffer slots in use after this step (a host tensor)
-        logits, features, greedy = self._step(tokens, positions, self._mask(ancestors), kv_length)
+        logits, features, greedy = self._step(size)(tokens, positions, self._mask(ancestors), kv_length)
         if first:
             self.compile_s[size] = time.perf_counter() - start
         return logits[:, :n], (features[:, :n] if features is not None else None), greedy[:, :n]
@@ -257,12 +270,13 @@ class StaticRunner:
             self.capture.detach()
 
 
-def own_code(method):
-    """A bound method re-made around its own copy of the code object. Dynamo keeps compiled graphs per code
-    object, and with frozen weights a graph bakes in one model's weights (and skips guards on its modules), so
-    two runners of different models must never share a cache: each compiles its own copy."""
+def own_code(method, name: str = ""):
+    """A bound method re-made around its own copy of the code object (`name` is appended to its name). Dynamo
+    keeps compiled graphs per code object, and with frozen weights a graph bakes in one model's weights (and skips
+    guards on its modules), so two runners of different models must never share a cache: each compiles its own
+    copy."""
     func = method.__func__
-    code = func.__code__.replace(co_name=f"{func.__name__}_{id(method.__self__):x}")
+    code = func.__code__.replace(co_name=f"{func.__name__}_{id(method.__self__):x}{'_' + name if name else ''}")
     clone = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
     return types.MethodType(clone, method.__self__)
 
@@ -278,11 +292,19 @@ def compile_setting(compile: bool | str, device: torch.device) -> bool:
     return bool(compile)
 
 
-def compile_step(fn, device: torch.device):
+def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str = ""):
     """torch.compile for a fixed-shape decoding step: CUDA graphs on CUDA; on CPU inductor with frozen (oneDNN
     prepacked) weights, linears sharing an input concatenated. Measured on a 2-core AVX512-BF16 EPYC, SmolLM2-135M
     bf16, one token: eager 39 ms, compiled 20 ms; with cpp_wrapper no faster and twice the compile time (~85 s), so
-    it is left off."""
+    it is left off.
+    `small_gemm` (CPU, a step of a few rows): the matmuls are inductor's own C++ GEMM templates (oneDNN where a
+    template does not apply). At a few rows they stream the weights faster than oneDNN: SmolLM2-135M bf16, verify
+    over a 640-slot buffer, 2-core Zen 4 EPYC (AVX512-BF16): 1 token 16.2 -> 11.3 ms, 4 tokens 18.0 -> 13.6 ms;
+    at 8 tokens 45 ms against oneDNN's 19 (the templates convert bf16 to fp32 and lose once the step is no longer
+    bound by the weights); choosing per GEMM by timing both (max-autotune with both backends) picks by warm
+    single-kernel timings and did no better inside decoding (9.8-11.5 and 14.9-16.3 ms over three processes). It
+    costs ~1-2 min of compiling per shape on 2 cores (cached on disk for the next process).
+    `name` tells the compiled copies apart in profiles."""
     import torch._dynamo
 
     # one graph per verify bucket (and per buffer size): allow them all without falling back to eager
@@ -291,7 +313,7 @@ def compile_step(fn, device: torch.device):
     # the model is frozen: skip re-checking its ~300 parameters on every call (~0.8 ms of guards per step); safe
     # because every runner compiles its own copy of the code (own_code), so a graph only ever sees one model
     options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-    fn = own_code(fn)
+    fn = own_code(fn, name)
     if device.type == "cuda":  # mode="reduce-overhead": CUDA graphs
         graphed = torch.compile(fn, dynamic=False, options={**options, "triton.cudagraphs": True})
 
@@ -308,6 +330,8 @@ def compile_step(fn, device: torch.device):
     # a fixed ~15-20 us beyond streaming its weights (SmolLM2 bf16, 1 token, 2-core EPYC with AVX512-BF16: 211
     # calls a step -> 121, 12.5 -> 10.4 ms a token)
     torch._inductor.config.cpp.enable_concat_linear = True
+    if small_gemm:
+        options.update(max_autotune=True, max_autotune_gemm_backends="CPP", autotune_fallback_to_aten=True)
     step = torch.compile(fn, dynamic=False, options=options)
     step.drafthead_code = fn.__func__.__code__
     return step
