@@ -44,8 +44,8 @@ from drafthead.masks import to_additive
 
 from .attention import PREFILL_NAME, attention_implementation, kv_length_kwargs
 from .slots import copy_rows
-from .static_runner import (attach_target, buffer_capacity, compile_step, forward_with_features, release_step,
-                            set_write_slot, static_cache)
+from .static_runner import (attach_target, buffer_capacity, compile_step, decoding_session, forward_with_features,
+                            release_step, set_write_slot, static_cache)
 
 PREFILL_CHUNK = 512
 
@@ -187,8 +187,8 @@ class BatchRunner:
         self.start, self.length = self.start.index_fill(0, index, 0), self.length.index_fill(0, index, t)
 
     def session(self) -> contextlib.AbstractContextManager:
-        """The model dispatches attention to this runner's kernel inside it."""
-        return attention_implementation(self.model, self.attention)
+        """The model dispatches attention to this runner's kernel inside it (static_runner.decoding_session)."""
+        return decoding_session(self)
 
     def close(self) -> None:
         if self.capture is not None:

@@ -20,6 +20,7 @@ from drafthead.model import DraftHead
 
 from .attention import NAME as MATMUL_ATTENTION
 from .attention import prefers_matmul_attention
+from .small_gemm import use_small_row_kernel
 from .static_runner import MIN_CAPACITY, buffer_capacity, compile_step
 
 
@@ -60,6 +61,9 @@ class HeadRunner:
             head.midlayer.self_attn.config._attn_implementation = MATMUL_ATTENTION
         self.capacity = 0
         self.compiled = compile
+        # bf16 on a CPU with AVX512-BF16: the head's linears (fusion, layer, draft lm_head) use the small-row GEMM
+        # kernel inside the target runner's session (small_gemm.py)
+        self.small_rows = use_small_row_kernel(head) > 0
         self._expand = compile_step(self._expand_eager, self.device) if compile else self._expand_eager
         self._feed = compile_step(self._feed_eager, self.device) if compile else self._feed_eager
         self.steps: dict = {}  # (tree shape, whole) -> its drafting step (tree.DraftStep)

@@ -9,8 +9,9 @@ positions returning logits + the head's features, commit() of the accepted nodes
   and the buffers keep their addresses (what CUDA graphs need).
 - A tree is padded to the next size in `buckets`, so each bucket is one shape: one compiled graph (one CUDA graph)
   per bucket, never a recompile while generating. Padded nodes attend only to themselves and are never kept. On
-  CPU the buckets of up to SMALL_GEMM_ROWS tokens (plain decoding, the smallest trees) compile inductor's own C++
-  GEMMs, larger ones oneDNN's (compile_step).
+  CPU the linears of buckets up to small_gemm.KERNEL_ROWS tokens run small_gemm's kernel (bf16 on AVX512-BF16);
+  elsewhere buckets of up to SMALL_GEMM_ROWS tokens compile inductor's own C++ GEMMs, larger ones oneDNN's
+  (compile_step).
 - The attention mask spans the whole buffer, (1, 1, n, capacity): 0 on the cached prefix and on each node's
   ancestors, dtype-min elsewhere (transformers passes a 4D mask through unchanged).
 - Feature hooks stay registered for the runner's lifetime (compile traces them once).
@@ -21,6 +22,7 @@ does not fit grows the buffers (which costs one recompile per bucket): size them
 
 from __future__ import annotations
 
+import contextlib
 import time
 import types
 from typing import Callable
@@ -34,9 +36,11 @@ from drafthead.masks import buffer_mask, causal_allowed
 
 from .attention import NAME as MATMUL_ATTENTION
 from .attention import attention_implementation, kv_length_kwargs, prefers_matmul_attention
+from .small_gemm import small_row_kernel, use_small_row_kernel
 
 DEFAULT_BUCKETS = (1, 4, 8, 12, 16, 32, 64)
-# CPU: verify buckets up to this many tokens are compiled with inductor's C++ GEMM templates (see compile_step)
+# CPU without the small-row kernel: verify buckets up to this many tokens are compiled with inductor's C++ GEMM
+# templates (see compile_step)
 SMALL_GEMM_ROWS = 4
 MIN_CAPACITY = 256
 CAPACITY_STEP = 128
@@ -81,8 +85,9 @@ def set_write_slot(cache: StaticCache, slot: int) -> None:
 def attach_target(runner, model: nn.Module, feature_layers: list[int], refusal: str, compile: bool = False) -> None:
     """The part of a static-buffer runner's set-up every runner shares: refuse a model the buffers cannot serve
     (NotImplementedError starting with `refusal`), then set runner.model, .feature_layers, .capture (hooks on those
-    decoder layers, or None), .dtype, .device and .attention (the kernel switched in per session, which depends on
-    whether the runner's steps are `compile`d; attention.py)."""
+    decoder layers, or None), .dtype, .device, .attention (the kernel switched in per session, which depends on
+    whether the runner's steps are `compile`d; attention.py) and .small_rows (bf16 on a CPU with AVX512-BF16: the
+    model's linears multiply a step's few rows with small_gemm's kernel inside a session; eager or compiled)."""
     reason = static_cache_supported(model)
     if reason is not None:
         raise NotImplementedError(f"{refusal} {reason}")
@@ -93,6 +98,17 @@ def attach_target(runner, model: nn.Module, feature_layers: list[int], refusal: 
     runner.device = next(model.parameters()).device
     matmul = prefers_matmul_attention(runner.device, runner.dtype, compile)
     runner.attention = MATMUL_ATTENTION if matmul else None
+    runner.small_rows = use_small_row_kernel(model) > 0
+
+
+def decoding_session(runner) -> contextlib.AbstractContextManager:
+    """A runner's decoding session: the model dispatches attention to the runner's kernel and (where the runner
+    uses it) multiplies small steps with the small-row GEMM kernel."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(attention_implementation(runner.model, runner.attention))
+    if runner.small_rows:
+        stack.enter_context(small_row_kernel())
+    return stack
 
 
 def forward_with_features(runner, forward) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -148,9 +164,9 @@ class StaticRunner:
         self.reserve(length)
         self._set_length(0)
 
-    def session(self):
-        """Context for a decoding session: the model dispatches attention to this runner's kernel inside it."""
-        return attention_implementation(self.model, self.attention)
+    def session(self) -> contextlib.AbstractContextManager:
+        """Context for a decoding session (decoding_session)."""
+        return decoding_session(self)
 
     @property
     def length(self) -> int:
@@ -175,7 +191,8 @@ class StaticRunner:
         if not self.compiled:
             return self._forward
         if size not in self._steps:
-            self._steps[size] = compile_step(self._forward, self.device, small_gemm=size <= SMALL_GEMM_ROWS,
+            small = size <= SMALL_GEMM_ROWS and not self.small_rows
+            self._steps[size] = compile_step(self._forward, self.device, small_gemm=small,
                                              name=f"bucket{size}")
         return self._steps[size]
 

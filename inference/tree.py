@@ -191,7 +191,7 @@ class DraftStep:
         # a tree whose head passes are all a few rows (the feed: depth + 1 pairs; each depth: top_k nodes) takes
         # inductor's C++ GEMMs on CPU, as the target's small verify buckets do (2/3/3 drafting, 2-core Zen 4 EPYC,
         # bf16, inside decoding: ~2.4-3.0 -> 2.1 ms a step; 1/1/1: 2.1 -> 1.3 ms)
-        small = max(options.depth + 1, options.top_k) <= SMALL_GEMM_ROWS
+        small = max(options.depth + 1, options.top_k) <= SMALL_GEMM_ROWS and not runner.small_rows
         name = f"tree{options.depth}_{options.top_k}_{options.total_tokens}"
         self.run = (compile_step(self._run, runner.device, small_gemm=small, name=name) if whole and runner.compiled
                     else self._run)

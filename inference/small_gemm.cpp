@@ -1,0 +1,117 @@
+// y = x · Wᵀ (+ bias) in bf16 for a few rows of x, with AVX512-BF16 dot products (vdpbf16ps).
+//
+// Decoding and tree verification multiply 1-16 rows by every weight of the model, so a step is bound by reading
+// the weights once. The weight is packed once into 32-column blocks whose k-pairs are interleaved (the operand
+// layout of vdpbf16ps), so one pass streams each block front to back while the rows' accumulators stay in
+// registers. Each output element is summed over k in the same order whatever the number of rows, so a row's
+// result does not depend on what else is in the batch.
+//
+// Layout of `packed`: (N/32, K/2, 32, 2) bf16; element [b, p, c, j] = W[32 b + c, 2 p + j].
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kBlock = 32;   // output columns per block (two vectors of 16 floats)
+constexpr int kMaxRows = 8;      // rows accumulated at once (2 x 8 = 16 accumulator registers)
+
+// acc (rows, 32) float = a (rows, K) bf16 · one packed block (K/2, 32, 2)
+template <int kRows>
+void block_dot(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t pairs, float* acc) {
+  __m512 c[kRows][2];
+  for (int m = 0; m < kRows; ++m) c[m][0] = c[m][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* bp = b + p * 2 * kBlock;
+    __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp);
+    __m512bh b1 = (__m512bh)_mm512_loadu_si512(bp + kBlock);
+#pragma GCC unroll 8
+    for (int m = 0; m < kRows; ++m) {
+      __m512bh am = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + m * lda + 2 * p));
+      c[m][0] = _mm512_dpbf16_ps(c[m][0], am, b0);
+      c[m][1] = _mm512_dpbf16_ps(c[m][1], am, b1);
+    }
+  }
+  for (int m = 0; m < kRows; ++m) {
+    _mm512_storeu_ps(acc + m * kBlock, c[m][0]);
+    _mm512_storeu_ps(acc + m * kBlock + 16, c[m][1]);
+  }
+}
+
+using BlockDot = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*);
+const BlockDot kBlockDot[kMaxRows + 1] = {nullptr,        block_dot<1>, block_dot<2>, block_dot<3>, block_dot<4>,
+                                          block_dot<5>, block_dot<6>, block_dot<7>, block_dot<8>};
+
+void check_packed(const torch::Tensor& packed) {
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == kBlock &&
+                  packed.size(3) == 2 && packed.is_contiguous(),
+              "small_linear: packed weight must be contiguous bf16 (N/32, K/2, 32, 2), got ", packed.sizes());
+}
+
+}  // namespace
+
+// (N, K) bf16 -> (N/32, K/2, 32, 2): N a multiple of 32, K even
+torch::Tensor pack_weight(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "pack_weight: a 2-D bf16 weight");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(n % kBlock == 0 && k % 2 == 0, "pack_weight: out_features must be a multiple of 32 and ",
+              "in_features even, got ", weight.sizes());
+  return weight.reshape({n / kBlock, kBlock, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// x (..., K) bf16, packed (N/32, K/2, 32, 2), bias (N,) or none -> (..., N) bf16
+torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  check_packed(packed);
+  const int64_t k = x.size(-1), n = packed.size(0) * kBlock, pairs = packed.size(1);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && k == 2 * pairs, "small_linear: x must be bf16 with ", 2 * pairs,
+              " features, got ", x.scalar_type(), " ", x.sizes());
+  const torch::Tensor rows = x.reshape({-1, k}).contiguous();
+  const int64_t m_total = rows.size(0);
+  torch::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "small_linear: bias of ", n, " elements expected, got ", bias->numel());
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  torch::Tensor out = torch::empty({m_total, n}, x.options());
+  const uint16_t* a = reinterpret_cast<const uint16_t*>(rows.data_ptr());
+  const uint16_t* b = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const float* bias_p = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  uint16_t* y = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t first, int64_t last) {
+    alignas(64) float acc[kMaxRows * kBlock];
+    for (int64_t blk = first; blk < last; ++blk) {
+      const int64_t col = blk * kBlock;
+      for (int64_t m0 = 0; m0 < m_total; m0 += kMaxRows) {
+        const int rows_now = static_cast<int>(std::min<int64_t>(kMaxRows, m_total - m0));
+        kBlockDot[rows_now](a + m0 * k, k, b + blk * pairs * 2 * kBlock, pairs, acc);
+        for (int m = 0; m < rows_now; ++m) {
+          __m512 lo = _mm512_loadu_ps(acc + m * kBlock), hi = _mm512_loadu_ps(acc + m * kBlock + 16);
+          if (bias_p != nullptr) {
+            lo = _mm512_add_ps(lo, _mm512_loadu_ps(bias_p + col));
+            hi = _mm512_add_ps(hi, _mm512_loadu_ps(bias_p + col + 16));
+          }
+          uint16_t* out_row = y + (m0 + m) * n + col;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_row), (__m256i)_mm512_cvtneps_pbh(lo));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_row + 16), (__m256i)_mm512_cvtneps_pbh(hi));
+        }
+      }
+    }
+  });
+  return out.view(shape);
+}
+
+TORCH_LIBRARY(drafthead_kernels, m) {
+  m.def("pack_weight(Tensor weight) -> Tensor");
+  m.def("small_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(drafthead_kernels, CPU, m) {
+  m.impl("pack_weight", &pack_weight);
+  m.impl("small_linear", &small_linear);
+}

@@ -1,0 +1,125 @@
+"""A bf16 GEMM kernel for the few rows of a decoding step (small_gemm.cpp), and the linear layers that use it.
+
+Why: a decoding step (1 token) or a tree verification (a few to 16 tokens) multiplies a handful of rows by every
+weight of the model, so it is bound by reading the weights once. PyTorch's bf16 linear (oneDNN) does not stream
+them at that size: SmolLM2-135M's 211 linears, distinct weights, 2-core Zen 4 EPYC with AVX512-BF16, eager calls:
+oneDNN 20 ms at 1 row, 23 at 8, 29 at 16; this kernel 9.6, 9.9 and 14.8 ms (~28 GB/s, the machine's read
+bandwidth). Each output is summed in the same order whatever the number of rows, so a token's logits do not depend
+on the tree verified beside it.
+
+The kernel is compiled on first use with the C++ compiler PyTorch's own CPU compilation needs (~30 s, cached in
+torch's extension folder), only where the CPU has AVX512-BF16 (its `vdpbf16ps`); elsewhere nothing changes.
+`use_small_row_kernel(model)` turns a model's bf16 `nn.Linear` modules into `SmallRowLinear` in place: same
+parameters and state dict, plus a packed copy of each weight (one more copy of the linear weights in memory). They
+use the kernel only inside `small_row_kernel()` (the fast runners' decoding sessions) and only for inputs of up to
+`max_rows` rows; elsewhere (a prompt, the user's own calls of the model) they are exactly nn.Linear. The weights
+are packed once: for frozen inference weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from drafthead.hardware import cpu_flags
+
+# inputs of up to this many rows use the kernel (it streams the weights at 1-8 rows; at 16 it still costs half
+# of oneDNN's time; beyond that the step is no longer bound by the weights)
+KERNEL_ROWS = 16
+BLOCK = 32  # output columns per packed block (small_gemm.cpp)
+
+_state: dict[str, bool | str] = {}
+# set inside small_row_kernel(); a module global, so a compiled step guards on it (a module attribute would not
+# be guarded: the compiled steps skip guards on nn.Module state)
+_active = False
+
+
+def kernel_available() -> bool:
+    """True once the kernel is built and loaded; builds it on the first call where the CPU has AVX512-BF16."""
+    if "ok" not in _state:
+        _state["ok"] = _load()
+    return bool(_state["ok"])
+
+
+def _load() -> bool:
+    if "avx512_bf16" not in cpu_flags():
+        _state["why"] = "the CPU has no AVX512-BF16"
+        return False
+    from torch.utils.cpp_extension import load
+
+    source = Path(__file__).with_name("small_gemm.cpp")
+    # -fopenmp: at::parallel_for is a header template that runs serially unless the extension itself is built
+    # with OpenMP
+    flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+    try:
+        load(name="drafthead_small_gemm", sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)
+    except Exception as error:  # no compiler, or one without AVX512-BF16: decoding keeps PyTorch's linear
+        _state["why"] = f"building {source.name} failed: {str(error).strip().splitlines()[-1][:200]}"
+        print(f"[drafthead] small-row GEMM kernel not used ({_state['why']})", file=sys.stderr)
+        return False
+
+    @torch.library.register_fake("drafthead_kernels::small_linear")
+    def _(x, packed, bias):
+        return x.new_empty(*x.shape[:-1], packed.shape[0] * BLOCK)
+
+    return True
+
+
+def eligible(module: nn.Module) -> bool:
+    """A bf16 CPU nn.Linear whose shape the kernel takes (out_features a multiple of 32, in_features even)."""
+    if not isinstance(module, nn.Linear):
+        return False
+    w = module.weight
+    return (w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.shape[0] % BLOCK == 0
+            and w.shape[1] % 2 == 0)
+
+
+@contextlib.contextmanager
+def small_row_kernel(enabled: bool = True):
+    """Inside this context SmallRowLinear modules multiply small inputs with the kernel."""
+    global _active
+    previous, _active = _active, enabled
+    try:
+        yield
+    finally:
+        _active = previous
+
+
+class SmallRowLinear(nn.Linear):
+    """nn.Linear that multiplies inputs of up to `max_rows` rows with the packed bf16 kernel inside
+    small_row_kernel()."""
+
+    packed: torch.Tensor
+    max_rows: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _active and x.dtype == torch.bfloat16 and x.numel() <= self.max_rows * x.shape[-1]:
+            return torch.ops.drafthead_kernels.small_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+@torch.no_grad()
+def use_small_row_kernel(model: nn.Module, max_rows: int = KERNEL_ROWS) -> int:
+    """Turn the model's eligible linears into SmallRowLinear in place (parameters, ties and state dict
+    unchanged). Returns how many use the kernel; 0 where it is not available (no eligible linear, or a CPU
+    without AVX512-BF16)."""
+    if not any(isinstance(m, SmallRowLinear) or eligible(m) for m in model.modules()) or not kernel_available():
+        return 0
+    count = 0
+    for module in model.modules():
+        if isinstance(module, SmallRowLinear):
+            module.max_rows = max_rows
+            count += 1
+        elif eligible(module):
+            module.__class__ = SmallRowLinear
+            module.register_buffer("packed", torch.ops.drafthead_kernels.pack_weight(module.weight.detach()),
+                                   persistent=False)
+            module.max_rows = max_rows
+            count += 1
+    return count

@@ -1,0 +1,113 @@
+"""The small-row bf16 GEMM kernel (inference/small_gemm.cpp): exact to bf16 rounding, row-independent, used only
+inside the runners' decoding sessions (also through torch.compile), and transparent to the model otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tiny import tiny_model
+
+from inference.small_gemm import SmallRowLinear, kernel_available, small_row_kernel, use_small_row_kernel
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    if not kernel_available():
+        pytest.skip("the small-row kernel needs a CPU with AVX512-BF16 and a C++ compiler")
+
+
+def linear(n_in: int, n_out: int, bias: bool, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    module = nn.Linear(n_in, n_out, bias=bias).to(torch.bfloat16)
+    if bias:
+        nn.init.normal_(module.bias)
+    return module
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_the_exact_product_to_bf16_rounding(rows, bias):
+    module = linear(576, 192, bias)
+    x = torch.randn(1, rows, 576).to(torch.bfloat16)
+    exact = x.double() @ module.weight.double().T + (module.bias.double() if bias else 0)
+    reference = F.linear(x, module.weight, module.bias)
+    assert use_small_row_kernel(module) == 1 and isinstance(module, SmallRowLinear)
+    with small_row_kernel():
+        ours = module(x)
+    assert ours.shape == (1, rows, 192) and ours.dtype == torch.bfloat16
+    # fp32 accumulation rounded once to bf16: within one bf16 step of the exact value, as PyTorch's own linear
+    ulp = exact.abs().clamp_min(1e-3) * 2.0 ** -7
+    assert ((ours.double() - exact).abs() <= ulp + 1e-4).all()
+    assert ((reference.double() - exact).abs() <= ulp + 1e-4).all()
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    module = linear(1536, 576, bias=False)
+    use_small_row_kernel(module)
+    x = torch.randn(16, 1536).to(torch.bfloat16)
+    with small_row_kernel():
+        together = module(x)
+        for i in (0, 7, 8, 15):
+            assert torch.equal(module(x[i : i + 1]), together[i : i + 1])
+
+
+def test_kernel_is_used_only_inside_the_session_and_for_small_inputs():
+    """A zeroed packed copy makes the kernel's path visible: it returns the bias; nn.Linear's path the product."""
+    module = linear(64, 96, bias=True)
+    use_small_row_kernel(module, max_rows=4)
+    module.packed.zero_()
+    small, large = torch.randn(4, 64).to(torch.bfloat16), torch.randn(5, 64).to(torch.bfloat16)
+    assert torch.equal(module(small), F.linear(small, module.weight, module.bias))  # outside: nn.Linear exactly
+    with small_row_kernel():
+        assert torch.equal(module(small), module.bias.expand(4, 96))
+        assert torch.equal(module(large), F.linear(large, module.weight, module.bias))  # too many rows
+    step = torch.compile(lambda x: module(x) * 1, dynamic=False)
+    with torch.inference_mode():
+        with small_row_kernel():
+            assert torch.equal(step(small), module.bias.expand(4, 96))
+        assert torch.equal(step(small), F.linear(small, module.weight, module.bias))  # the guard recompiles
+        with small_row_kernel():
+            assert torch.equal(step(small), module.bias.expand(4, 96))
+
+
+def test_conversion_keeps_parameters_ties_and_state_dict():
+    target = tiny_model("llama", dtype=torch.bfloat16, tie_word_embeddings=True, vocab_size=320)
+    keys = list(target.state_dict())
+    converted = use_small_row_kernel(target)
+    assert converted == 8 * 7 + 1  # q, k, v, o, gate, up, down per layer, and lm_head
+    assert list(target.state_dict()) == keys
+    assert target.lm_head.weight is target.model.embed_tokens.weight
+    assert use_small_row_kernel(target) == converted  # converting twice is a no-op
+    assert use_small_row_kernel(tiny_model("llama")) == 0  # float32: nothing to convert
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_the_static_runner_verifies_with_the_kernel_close_to_pytorchs_linears(compile):
+    """A bf16 tree verification on the static runner runs the kernel (seen in the profile) and gives the logits
+    of PyTorch's linears up to bf16 rounding."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from drafthead.masks import causal_allowed
+    from inference.static_runner import StaticRunner
+
+    target = tiny_model("llama", dtype=torch.bfloat16)
+    runner = StaticRunner(target, [2, 4], compile=compile)
+    assert runner.small_rows and isinstance(target.model.layers[0].mlp.down_proj, SmallRowLinear)
+    ids = torch.randint(3, 320, (1, 20), generator=torch.Generator().manual_seed(0))
+
+    def verify_last_four():
+        with runner.session(), torch.inference_mode():
+            runner.reset(20)
+            runner.prefill(ids[:, :16])
+            return runner.verify(ids[:, 16:], torch.arange(4), causal_allowed(4, 0, ids.device))
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        logits, features, _ = verify_last_four()
+    assert any("small_linear" in event.key for event in prof.key_averages())
+    runner.small_rows = False  # the same runner with PyTorch's linears
+    ref_logits, ref_features, _ = verify_last_four()
+    scale = ref_logits.abs().max()
+    assert (logits - ref_logits).abs().max() <= 0.05 * scale
+    assert (features - ref_features).abs().max() <= 0.05 * ref_features.abs().max()
