@@ -314,8 +314,9 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
     prepacked) weights, linears sharing an input concatenated. Measured on a 2-core AVX512-BF16 EPYC, SmolLM2-135M
     bf16, one token: eager 39 ms, compiled 20 ms; with cpp_wrapper no faster and twice the compile time (~85 s), so
     it is left off.
-    `small_gemm` (CPU, a step of a few rows): the matmuls are inductor's own C++ GEMM templates (oneDNN where a
-    template does not apply). At a few rows they stream the weights faster than oneDNN: SmolLM2-135M bf16, verify
+    `small_gemm` (CPU, a step of a few rows, where the linears do not already run small_gemm.py's bf16 kernel,
+    e.g. fp32 or no AVX512-BF16): the matmuls are inductor's own C++ GEMM templates (oneDNN where a template does
+    not apply). At a few rows they stream the weights faster than oneDNN: SmolLM2-135M bf16, verify
     over a 640-slot buffer, 2-core Zen 4 EPYC (AVX512-BF16): 1 token 16.2 -> 11.3 ms, 4 tokens 18.0 -> 13.6 ms;
     at 8 tokens 45 ms against oneDNN's 19 (the templates convert bf16 to fp32 and lose once the step is no longer
     bound by the weights); choosing per GEMM by timing both (max-autotune with both backends) picks by warm
