@@ -19,6 +19,7 @@ are packed once: for frozen inference weights.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from pathlib import Path
 
@@ -33,22 +34,15 @@ from drafthead.hardware import cpu_flags
 KERNEL_ROWS = 16
 BLOCK = 32  # output columns per packed block (small_gemm.cpp)
 
-_state: dict[str, bool | str] = {}
 # set inside small_row_kernel(); a module global, so a compiled step guards on it (a module attribute would not
 # be guarded: the compiled steps skip guards on nn.Module state)
 _active = False
 
 
+@functools.cache
 def kernel_available() -> bool:
     """True once the kernel is built and loaded; builds it on the first call where the CPU has AVX512-BF16."""
-    if "ok" not in _state:
-        _state["ok"] = _load()
-    return bool(_state["ok"])
-
-
-def _load() -> bool:
     if "avx512_bf16" not in cpu_flags():
-        _state["why"] = "the CPU has no AVX512-BF16"
         return False
     from torch.utils.cpp_extension import load
 
@@ -60,8 +54,9 @@ def _load() -> bool:
         load(name="drafthead_small_gemm", sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
     except Exception as error:  # no compiler, or one without AVX512-BF16: decoding keeps PyTorch's linear
-        _state["why"] = f"building {source.name} failed: {str(error).strip().splitlines()[-1][:200]}"
-        print(f"[drafthead] small-row GEMM kernel not used ({_state['why']})", file=sys.stderr)
+        reason = str(error).strip().splitlines()[-1][:200]
+        print(f"[drafthead] small-row GEMM kernel not used (building {source.name} failed: {reason})",
+              file=sys.stderr)
         return False
 
     @torch.library.register_fake("drafthead_kernels::small_linear")
@@ -81,10 +76,10 @@ def eligible(module: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def small_row_kernel(enabled: bool = True):
+def small_row_kernel():
     """Inside this context SmallRowLinear modules multiply small inputs with the kernel."""
     global _active
-    previous, _active = _active, enabled
+    previous, _active = _active, True
     try:
         yield
     finally:
@@ -109,17 +104,13 @@ def use_small_row_kernel(model: nn.Module, max_rows: int = KERNEL_ROWS) -> int:
     """Turn the model's eligible linears into SmallRowLinear in place (parameters, ties and state dict
     unchanged). Returns how many use the kernel; 0 where it is not available (no eligible linear, or a CPU
     without AVX512-BF16)."""
-    if not any(isinstance(m, SmallRowLinear) or eligible(m) for m in model.modules()) or not kernel_available():
+    linears = [m for m in model.modules() if isinstance(m, SmallRowLinear) or eligible(m)]
+    if not linears or not kernel_available():
         return 0
-    count = 0
-    for module in model.modules():
-        if isinstance(module, SmallRowLinear):
-            module.max_rows = max_rows
-            count += 1
-        elif eligible(module):
+    for module in linears:
+        if not isinstance(module, SmallRowLinear):
             module.__class__ = SmallRowLinear
             module.register_buffer("packed", torch.ops.drafthead_kernels.pack_weight(module.weight.detach()),
                                    persistent=False)
-            module.max_rows = max_rows
-            count += 1
-    return count
+        module.max_rows = max_rows
+    return len(linears)
