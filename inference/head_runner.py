@@ -18,8 +18,7 @@ import torch
 from drafthead.masks import buffer_mask, causal_allowed
 from drafthead.model import DraftHead
 
-from .attention import NAME as MATMUL_ATTENTION
-from .attention import prefers_matmul_attention
+from .attention import decoding_attention
 from .small_gemm import use_small_row_kernel
 from .static_runner import MIN_CAPACITY, buffer_capacity, compile_step
 
@@ -54,11 +53,12 @@ class HeadRunner:
         self.dtype = next(head.parameters()).dtype
         self.device = next(head.parameters()).device
         self.cache = SlotCache()
-        if prefers_matmul_attention(self.device, self.dtype, compile):
+        attention = decoding_attention(self.device, self.dtype, compile)
+        if attention is not None:
             # a drafting depth is a few queries over the whole buffer: the matmul kernel, not SDPA (CPU, bf16,
             # SmolLM2's head on a 2-core EPYC: SDPA ~0.33 ms a call; a 2/6/11 tree's drafting 3.2 -> 2.4 ms a
-            # step). Same attention, so the head's outputs are unchanged up to rounding.
-            head.midlayer.self_attn.config._attn_implementation = MATMUL_ATTENTION
+            # step), or the AVX512-BF16 kernel. Same attention, so the head's outputs are unchanged up to rounding.
+            head.midlayer.self_attn.config._attn_implementation = attention
         self.capacity = 0
         self.compiled = compile
         # bf16 on a CPU with AVX512-BF16: the head's linears (fusion, layer, draft lm_head) use the small-row GEMM

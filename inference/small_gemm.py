@@ -7,8 +7,7 @@ oneDNN 20 ms at 1 row, 23 at 8, 29 at 16; this kernel 9.6, 9.9 and 14.8 ms (~28 
 bandwidth). Each output is summed in the same order whatever the number of rows, so a token's logits do not depend
 on the tree verified beside it.
 
-The kernel is compiled on first use with the C++ compiler PyTorch's own CPU compilation needs (~30 s, cached in
-torch's extension folder), only where the CPU has AVX512-BF16 (its `vdpbf16ps`); elsewhere nothing changes.
+The kernel is built on first use where the CPU has AVX512-BF16 (cpu_kernels.py); elsewhere nothing changes.
 `use_small_row_kernel(model)` turns a model's bf16 `nn.Linear` modules into `SmallRowLinear` in place: same
 parameters and state dict, plus a packed copy of each weight (one more copy of the linear weights in memory). They
 use the kernel only inside `small_row_kernel()` (the fast runners' decoding sessions) and only for inputs of up to
@@ -19,51 +18,20 @@ are packed once: for frozen inference weights.
 from __future__ import annotations
 
 import contextlib
-import functools
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from drafthead.hardware import cpu_flags
+from .cpu_kernels import BLOCK, kernels_available
 
 # inputs of up to this many rows use the kernel (it streams the weights at 1-8 rows; at 16 it still costs half
 # of oneDNN's time; beyond that the step is no longer bound by the weights)
 KERNEL_ROWS = 16
-BLOCK = 32  # output columns per packed block (small_gemm.cpp)
 
 # set inside small_row_kernel(); a module global, so a compiled step guards on it (a module attribute would not
 # be guarded: the compiled steps skip guards on nn.Module state)
 _active = False
-
-
-@functools.cache
-def kernel_available() -> bool:
-    """True once the kernel is built and loaded; builds it on the first call where the CPU has AVX512-BF16."""
-    if "avx512_bf16" not in cpu_flags():
-        return False
-    from torch.utils.cpp_extension import load
-
-    source = Path(__file__).with_name("small_gemm.cpp")
-    # -fopenmp: at::parallel_for is a header template that runs serially unless the extension itself is built
-    # with OpenMP
-    flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
-    try:
-        load(name="drafthead_small_gemm", sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)
-    except Exception as error:  # no compiler, or one without AVX512-BF16: decoding keeps PyTorch's linear
-        reason = str(error).strip().splitlines()[-1][:200]
-        print(f"[drafthead] small-row GEMM kernel not used (building {source.name} failed: {reason})",
-              file=sys.stderr)
-        return False
-
-    @torch.library.register_fake("drafthead_kernels::small_linear")
-    def _(x, packed, bias):
-        return x.new_empty(*x.shape[:-1], packed.shape[0] * BLOCK)
-
-    return True
 
 
 def eligible(module: nn.Module) -> bool:
@@ -105,7 +73,7 @@ def use_small_row_kernel(model: nn.Module, max_rows: int = KERNEL_ROWS) -> int:
     unchanged). Returns how many use the kernel; 0 where it is not available (no eligible linear, or a CPU
     without AVX512-BF16)."""
     linears = [m for m in model.modules() if isinstance(m, SmallRowLinear) or eligible(m)]
-    if not linears or not kernel_available():
+    if not linears or not kernels_available():
         return 0
     for module in linears:
         if not isinstance(module, SmallRowLinear):

@@ -34,8 +34,7 @@ from transformers import StaticCache
 from drafthead.capture import HiddenStateCapture
 from drafthead.masks import buffer_mask, causal_allowed
 
-from .attention import NAME as MATMUL_ATTENTION
-from .attention import attention_implementation, kv_length_kwargs, prefers_matmul_attention
+from .attention import attention_implementation, decoding_attention, kv_length_kwargs
 from .small_gemm import small_row_kernel, use_small_row_kernel
 
 DEFAULT_BUCKETS = (1, 4, 8, 12, 16, 32, 64)
@@ -96,8 +95,7 @@ def attach_target(runner, model: nn.Module, feature_layers: list[int], refusal: 
     runner.capture = HiddenStateCapture(model, runner.feature_layers).attach() if runner.feature_layers else None
     runner.dtype = next(model.parameters()).dtype
     runner.device = next(model.parameters()).device
-    matmul = prefers_matmul_attention(runner.device, runner.dtype, compile)
-    runner.attention = MATMUL_ATTENTION if matmul else None
+    runner.attention = decoding_attention(runner.device, runner.dtype, compile)
     runner.small_rows = use_small_row_kernel(model) > 0
 
 

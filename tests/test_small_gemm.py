@@ -9,12 +9,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tiny import tiny_model
 
-from inference.small_gemm import SmallRowLinear, kernel_available, small_row_kernel, use_small_row_kernel
+from inference.cpu_kernels import kernels_available
+from inference.small_gemm import SmallRowLinear, small_row_kernel, use_small_row_kernel
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
-    if not kernel_available():
+    if not kernels_available():
         pytest.skip("the small-row kernel needs a CPU with AVX512-BF16 and a C++ compiler")
 
 

@@ -133,13 +133,16 @@ def test_compiled_matmul_attention_traces_short_query_blocks(queries):
     assert any("prefix_attention" in t for t in targets) == (queries > TRACED_MAX_QUERIES), targets
 
 
-def test_bf16_static_runner_uses_matmul_attention_and_restores_the_model():
+def test_bf16_static_runner_uses_its_attention_kernel_and_restores_the_model():
+    """bf16 on CPU: the AVX512-BF16 kernel where the CPU has it (test_prefix_attention.py), else the matmuls."""
+    from inference.cpu_kernels import kernels_available
+
     target = tiny_model("llama", dtype=torch.bfloat16)
     gen = SpeculativeGenerator(target, oracle_head(target).to(torch.bfloat16).attach_target(target), tree="chain",
                                runner="static")
     before = target.config._attn_implementation
     gen.generate(prompts(1, 320)[0], max_new_tokens=8)
-    assert gen.runner.attention == "drafthead_matmul"
+    assert gen.runner.attention == ("drafthead_kernel" if kernels_available() else "drafthead_matmul")
     assert target.config._attn_implementation == before  # switched only while decoding
 
 
@@ -255,22 +258,27 @@ def test_compiled_runners_of_different_models_never_share_graphs():
     assert not torch.equal(trees[0].scores, trees[1].scores)  # the two heads do draft differently
 
 
-def test_bf16_head_runner_drafts_on_matmul_attention():
-    """On CPU in bf16 the head's drafting steps attend through the matmul kernel, with the outputs of its SDPA."""
-    target = tiny_model("llama", dtype=torch.bfloat16)
+@pytest.mark.parametrize("head_dim,length", [(16, 40), (32, 12)])
+def test_bf16_head_runner_drafts_on_the_decoding_attention(head_dim, length):
+    """On CPU in bf16 the head's drafting steps attend through the runners' attention kernel (AVX512-BF16 where the
+    CPU has it, for up to 16 queries with head_dim 32/64/128; else the matmuls), with the outputs of its SDPA."""
+    from inference.cpu_kernels import kernels_available
+
+    target = tiny_model("llama", dtype=torch.bfloat16, head_dim=head_dim)
     head = DraftHead(HeadConfig.from_target_config(target.config, kind="eagle3")).to(torch.bfloat16).eval()
     reference = copy.deepcopy(head)
     runner, ref_runner = HeadRunner(head), HeadRunner(reference)
-    assert head.midlayer.self_attn.config._attn_implementation == "drafthead_matmul"
+    expected = "drafthead_kernel" if kernels_available() else "drafthead_matmul"
+    assert head.midlayer.self_attn.config._attn_implementation == expected
     reference.midlayer.self_attn.config._attn_implementation = "sdpa"
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, target.config.vocab_size, (1, 40), generator=g)
-    features = torch.randn(1, 40, 3 * target.config.hidden_size, generator=g).to(torch.bfloat16)
-    positions = torch.arange(40).unsqueeze(0)
+    tokens = torch.randint(0, target.config.vocab_size, (1, length), generator=g)
+    features = torch.randn(1, length, 3 * target.config.hidden_size, generator=g).to(torch.bfloat16)
+    positions = torch.arange(length).unsqueeze(0)
 
     def feed(r):
-        return r.passes(whole=True)[0](tokens, features, positions, r.mask(causal_allowed(40), 0), positions[0],
-                                       torch.tensor([39]), 4)
+        return r.passes(whole=True)[0](tokens, features, positions, r.mask(causal_allowed(length), 0),
+                                       positions[0], torch.tensor([length - 1]), 4)
 
     ours, theirs = feed(runner), feed(ref_runner)
     torch.testing.assert_close(ours[0], theirs[0], atol=0.05, rtol=0.05)  # the last output hidden (1, 1, H)

@@ -1,0 +1,111 @@
+"""The AVX512-BF16 prefix-attention kernel (inference/prefix_attention.cpp): the float32 attention to bf16 rounding,
+reads only the used slots, row-independent, honours masks and the rows in use, and is what a bf16 static runner
+dispatches to (eager and compiled)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import tiny_model
+
+from inference.attention import KERNEL_NAME, NAME, attend, decoding_attention
+from inference.cpu_kernels import kernels_available
+
+NEG = torch.finfo(torch.bfloat16).min
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    if not kernels_available():
+        pytest.skip("the prefix-attention kernel needs a CPU with AVX512-BF16 and a C++ compiler")
+
+
+def case(batch=1, heads=9, kv_heads=3, n=4, used=37, slots=64, dim=64, seed=0):
+    """query (B, heads, n, D) as transformers passes it (a transposed view), key/value buffers of `slots`, and an
+    additive mask: the prefix visible, a random tree pattern (each query sees itself) over the last n used slots."""
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, n, heads, dim, generator=g).to(torch.bfloat16).transpose(1, 2)
+    key = torch.randn(batch, kv_heads, slots, dim, generator=g).to(torch.bfloat16)
+    value = torch.randn(batch, kv_heads, slots, dim, generator=g).to(torch.bfloat16)
+    mask = torch.full((batch, 1, n, slots), NEG, dtype=torch.bfloat16)
+    past = used - n
+    mask[..., :past] = 0
+    tree = (torch.rand(batch, n, n, generator=g) < 0.5).tril() | torch.eye(n, dtype=torch.bool)
+    mask[:, 0, :, past:used] = torch.where(tree, 0.0, NEG).to(torch.bfloat16)
+    return query, key, value, mask
+
+
+def kernel_attention(query, key, value, mask, used, rows=None, scaling=0.125):
+    rows = query.shape[0] if rows is None else rows
+    return torch.ops.drafthead_kernels.prefix_attention(query, key, value, mask, scaling, torch.tensor(used),
+                                                        torch.tensor(rows))
+
+
+@pytest.mark.parametrize("n,used,dim,heads,kv_heads", [(1, 1, 64, 9, 3), (1, 300, 64, 9, 3), (4, 37, 64, 9, 3),
+                                                       (8, 200, 128, 4, 1), (16, 513, 32, 8, 8),
+                                                       (7, 64, 64, 6, 2)])
+def test_kernel_matches_float32_attention(n, used, dim, heads, kv_heads):
+    query, key, value, mask = case(heads=heads, kv_heads=kv_heads, n=n, used=used, slots=max(64, used + 3),
+                                   dim=dim)
+    ours = kernel_attention(query, key, value, mask, used)
+    assert ours.shape == (1, n, heads, dim) and ours.dtype == torch.bfloat16
+    exact = attend(query.double(), key.double(), value.double(), mask.double(), 0.125)
+    # float32 softmax and sums, probabilities and the output rounded to bf16: a few bf16 steps at most
+    assert (ours.double() - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
+def test_slots_after_the_used_length_are_never_read():
+    query, key, value, mask = case(n=3, used=40, slots=64)
+    reference = kernel_attention(query, key, value, mask, 40)
+    key[:, :, 40:], value[:, :, 40:] = float("nan"), float("nan")
+    assert torch.equal(kernel_attention(query, key, value, mask, 40), reference)
+
+
+def test_a_querys_output_does_not_depend_on_the_others():
+    query, key, value, mask = case(n=16, used=300, slots=320)
+    together = kernel_attention(query, key, value, mask, 300)
+    for i in (0, 5, 15):
+        alone = kernel_attention(query[:, :, i:i + 1], key, value, mask[:, :, i:i + 1], 300)
+        assert torch.equal(alone[:, 0], together[:, i])
+
+
+def test_masked_prefix_slots_batches_and_rows_in_use():
+    """Per-row masks with hidden prefix slots (left padding), a float mask, and rows past `rows` left zero."""
+    query, key, value, mask = case(batch=3, n=2, used=50, slots=64)
+    mask[0, :, :, :7] = NEG  # row 0 is left-padded by 7 slots
+    exact = attend(query.double(), key.double(), value.double(), mask.double(), 0.125)
+    ours = kernel_attention(query, key, value, mask, 50)
+    assert (ours.double() - exact).abs().max() <= 0.02 * exact.abs().max()
+    assert torch.equal(kernel_attention(query, key, value, mask.float(), 50), ours)
+    alive = kernel_attention(query, key, value, mask, 50, rows=2)
+    assert torch.equal(alive[:2], ours[:2]) and not alive[2].any()
+
+
+def test_bf16_static_runner_dispatches_to_the_kernel_eager_and_compiled():
+    from torch.profiler import ProfilerActivity, profile
+
+    from drafthead.masks import causal_allowed
+    from inference.static_runner import StaticRunner
+
+    assert decoding_attention(torch.device("cpu"), torch.bfloat16) == KERNEL_NAME
+    assert decoding_attention(torch.device("cpu"), torch.float32) != KERNEL_NAME
+    target = tiny_model("llama", dtype=torch.bfloat16, head_dim=32)
+    ids = torch.randint(3, 320, (1, 20), generator=torch.Generator().manual_seed(0))
+    def verify_last_four(runner):
+        with runner.session(), torch.inference_mode():
+            runner.reset(20)
+            runner.prefill(ids[:, :16])
+            return runner.verify(ids[:, 16:], torch.arange(4), causal_allowed(4, 0, ids.device))[0]
+
+    reference_runner = StaticRunner(target, [2, 4])
+    reference_runner.attention = NAME  # the matmul kernel: PyTorch's matmuls and softmax
+    reference = verify_last_four(reference_runner)
+    reference_runner.close()
+    for compile in (False, True):
+        runner = StaticRunner(target, [2, 4], compile=compile)
+        assert runner.attention == KERNEL_NAME
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            logits = verify_last_four(runner)
+        assert any("prefix_attention" in event.key for event in prof.key_averages())
+        assert (logits - reference).abs().max() <= 0.05 * reference.abs().max()
+        runner.close()
