@@ -132,8 +132,10 @@ class DraftHead(nn.Module):
         position_ids: torch.Tensor,  # (B, T)
         attention_mask: torch.Tensor | None = None,  # (B, 1, T, past+T) additive float mask; None = causal, no past
         cache: HeadKVCache | None = None,
+        **attention_kwargs,
     ) -> torch.Tensor:
-        """One pass of the decoder layer; returns the head's output hidden (B, T, H) before the final norm."""
+        """One pass of the decoder layer; returns the head's output hidden (B, T, H) before the final norm.
+        `attention_kwargs` go to the attention function (e.g. the used length of a preallocated cache)."""
         layer = self.midlayer
         emb = self.embed_tokens(input_ids).to(hidden.dtype)
         if self.eagle3:
@@ -145,7 +147,8 @@ class DraftHead(nn.Module):
         position_embeddings = self.rotary_emb(x, position_ids)
         if attention_mask is None and cache is not None and len(cache) > 0:
             raise ValueError("pass an explicit attention_mask when the cache holds earlier positions")
-        attn_out, _ = layer.self_attn(x, position_embeddings, attention_mask, past_key_values=cache)
+        attn_out, _ = layer.self_attn(x, position_embeddings, attention_mask, past_key_values=cache,
+                                      **attention_kwargs)
         h = residual + attn_out
         return h + layer.mlp(layer.post_attention_layernorm(h))
 

@@ -18,7 +18,7 @@ import torch
 from drafthead.masks import buffer_mask, causal_allowed
 from drafthead.model import DraftHead
 
-from .attention import decoding_attention
+from .attention import KERNEL_NAME, decoding_attention
 from .small_gemm import use_small_row_kernel
 from .static_runner import MIN_CAPACITY, buffer_capacity, compile_step
 
@@ -53,7 +53,7 @@ class HeadRunner:
         self.dtype = next(head.parameters()).dtype
         self.device = next(head.parameters()).device
         self.cache = SlotCache()
-        attention = decoding_attention(self.device, self.dtype, compile)
+        self.attention = attention = decoding_attention(self.device, self.dtype, compile)
         if attention is not None:
             # a drafting depth is a few queries over the whole buffer: the matmul kernel, not SDPA (CPU, bf16,
             # SmolLM2's head on a 2-core EPYC: SDPA ~0.33 ms a call; a 2/6/11 tree's drafting 3.2 -> 2.4 ms a
@@ -95,9 +95,11 @@ class HeadRunner:
         return buffer_mask(allowed, start, self.capacity, self.dtype)
 
     def forward(self, tokens, hidden, positions, mask, slots) -> torch.Tensor:
-        """Eager head pass writing its keys/values at `slots`; returns the output hidden (1, n, H)."""
+        """Eager head pass writing its keys/values at `slots`; returns the output hidden (1, n, H). The AVX512-BF16
+        attention reads only the slots up to the last one written (the mask hides the rest)."""
         self.cache.slots = slots
-        return self.head(tokens, hidden, positions, mask, self.cache)
+        extra = {"drafthead_kv_length": slots.max() + 1} if self.attention == KERNEL_NAME else {}
+        return self.head(tokens, hidden, positions, mask, self.cache, **extra)
 
     def top_k(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return head_top_k(self.head, hidden, k)

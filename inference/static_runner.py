@@ -307,7 +307,7 @@ def compile_setting(compile: bool | str, device: torch.device) -> bool:
     return bool(compile)
 
 
-def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str = ""):
+def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str = "", cpp_wrapper: bool = False):
     """torch.compile for a fixed-shape decoding step: CUDA graphs on CUDA; on CPU inductor with frozen (oneDNN
     prepacked) weights, linears sharing an input concatenated. Measured on a 2-core AVX512-BF16 EPYC, SmolLM2-135M
     bf16, one token: eager 39 ms, compiled 20 ms; with cpp_wrapper no faster and twice the compile time (~85 s), so
@@ -320,6 +320,9 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
     bound by the weights); choosing per GEMM by timing both (max-autotune with both backends) picks by warm
     single-kernel timings and did no better inside decoding (9.8-11.5 and 14.9-16.3 ms over three processes). It
     costs ~1-2 min of compiling per shape on 2 cores (cached on disk for the next process).
+    `cpp_wrapper` (CPU): the graph's calls are made from generated C++ instead of Python, which pays for steps
+    made of many small kernels, e.g. a drafting step (SmolLM2's head, 2/6/3 tree, bf16, 2-core Zen 4 EPYC, inside
+    decoding, two processes each: 1.56-1.62 against 1.68-1.85 ms a step); it about doubles the compile time.
     `name` tells the compiled copies apart in profiles."""
     import torch._dynamo
 
@@ -346,6 +349,8 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
     # a fixed ~15-20 us beyond streaming its weights (SmolLM2 bf16, 1 token, 2-core EPYC with AVX512-BF16: 211
     # calls a step -> 121, 12.5 -> 10.4 ms a token)
     torch._inductor.config.cpp.enable_concat_linear = True
+    if cpp_wrapper:
+        options["cpp_wrapper"] = True
     if small_gemm:
         options.update(max_autotune=True, max_autotune_gemm_backends="CPP", autotune_fallback_to_aten=True)
     step = torch.compile(fn, dynamic=False, options=options)

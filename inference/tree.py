@@ -193,7 +193,9 @@ class DraftStep:
         # bf16, inside decoding: ~2.4-3.0 -> 2.1 ms a step; 1/1/1: 2.1 -> 1.3 ms)
         small = max(options.depth + 1, options.top_k) <= SMALL_GEMM_ROWS and not runner.small_rows
         name = f"tree{options.depth}_{options.top_k}_{options.total_tokens}"
-        self.run = (compile_step(self._run, runner.device, small_gemm=small, name=name) if whole and runner.compiled
+        # a drafting step is many small kernels: called from C++ on CPU (compile_step)
+        self.run = (compile_step(self._run, runner.device, small_gemm=small, name=name,
+                                 cpp_wrapper=runner.device.type == "cpu") if whole and runner.compiled
                     else self._run)
 
     def _run(self, tokens, features, last, start, root):
