@@ -6,6 +6,9 @@ for long query blocks), against ~0.08 ms for two small matmuls and a float32 sof
 AVX512-BF16 EPYC; fp32 SDPA is as fast as the matmuls). Decoding and tree verification send 1-64 queries, so the
 fast runner uses this on CPU in low precision. Grouped-query attention folds the query heads of each KV head into
 the query axis instead of repeating the keys (no copy of the KV buffer per step).
+
+On a CPU with AVX512-BF16, in bf16, the runners use `kernel_attention` instead: prefix_attention.cpp reads only
+the used slots of the buffer in place (the matmuls either read the whole buffer or copy its strided prefix).
 """
 
 from __future__ import annotations
