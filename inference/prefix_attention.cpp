@@ -216,23 +216,23 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
       const float* mask_rows = mk + b * mask_batch_stride;
       __m512 best = _mm512_set1_ps(-INFINITY);
       const __m512 vscale = _mm512_set1_ps(scale);
-      int64_t j = 0;
       __m512 block[kKeyBlock];
-      for (; j + kKeyBlock <= used; j += kKeyBlock) {
-        score_block<kKeyBlock>(keys + j * dim, dim, qp, static_cast<int>(pairs), block);
-        for (int t = 0; t < kKeyBlock; ++t) {
+      auto keep = [&](int64_t j, int count) {  // scale, mask, track the max, store the scores of keys j..j+count
+        for (int t = 0; t < count; ++t) {
           const __m512 m = _mm512_permutexvar_ps(gather, _mm512_loadu_ps(mask_rows + (j + t) * kLanes));
           const __m512 s = _mm512_fmadd_ps(block[t], vscale, m);
           best = _mm512_max_ps(best, s);
           _mm512_storeu_ps(scores + (j + t) * kLanes, s);
         }
+      };
+      int64_t j = 0;
+      for (; j + kKeyBlock <= used; j += kKeyBlock) {
+        score_block<kKeyBlock>(keys + j * dim, dim, qp, static_cast<int>(pairs), block);
+        keep(j, kKeyBlock);
       }
       for (; j < used; ++j) {
         score_block<1>(keys + j * dim, dim, qp, static_cast<int>(pairs), block);
-        const __m512 m = _mm512_permutexvar_ps(gather, _mm512_loadu_ps(mask_rows + j * kLanes));
-        const __m512 s = _mm512_fmadd_ps(block[0], vscale, m);
-        best = _mm512_max_ps(best, s);
-        _mm512_storeu_ps(scores + j * kLanes, s);
+        keep(j, 1);
       }
       if (used % 2) _mm512_storeu_ps(scores + used * kLanes, _mm512_set1_ps(-INFINITY));  // a zero-weight pad key
       // exponentials as bf16 pairs of keys, and their sums per lane
