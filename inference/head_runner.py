@@ -20,7 +20,7 @@ from drafthead.model import DraftHead
 
 from .attention import KERNEL_NAME, decoding_attention
 from .small_gemm import use_small_row_kernel
-from .static_runner import MIN_CAPACITY, buffer_capacity, compile_step
+from .static_runner import MIN_CAPACITY, buffer_capacity, compile_step, release_step
 
 
 def head_top_k(head: DraftHead, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,8 +64,12 @@ class HeadRunner:
         # bf16 on a CPU with AVX512-BF16: the head's linears (fusion, layer, draft lm_head) use the small-row GEMM
         # kernel inside the target runner's session (small_gemm.py)
         self.small_rows = use_small_row_kernel(head) > 0
-        self._expand = compile_step(self._expand_eager, self.device) if compile else self._expand_eager
-        self._feed = compile_step(self._feed_eager, self.device) if compile else self._feed_eager
+        # compiled steps skip the guards on the KV buffer (compile_step's `unguarded`); reserve() releases them
+        # when it replaces the buffer
+        self._expand = (compile_step(self._expand_eager, self.device, unguarded=("self.cache",)) if compile
+                        else self._expand_eager)
+        self._feed = (compile_step(self._feed_eager, self.device, unguarded=("self.cache",)) if compile
+                      else self._feed_eager)
         self.steps: dict = {}  # (tree shape, whole) -> its drafting step (tree.DraftStep)
         self.reserve(capacity)
 
@@ -83,6 +87,8 @@ class HeadRunner:
         if old:
             keys[:, :, :old] = self.cache.keys
             values[:, :, :old] = self.cache.values
+            for step in (self._expand, self._feed, *(s.run for s in self.steps.values())):
+                release_step(step)
         if self.compiled and self.device.type == "cuda":  # reserve() always runs eagerly
             # a fixed address the compiled steps write into in place: without it CUDA graphs are skipped (the
             # buffers would count as mutated graph inputs) and every drafting depth pays its kernel launches

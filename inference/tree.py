@@ -195,8 +195,8 @@ class DraftStep:
         name = f"tree{options.depth}_{options.top_k}_{options.total_tokens}"
         # a drafting step is many small kernels: called from C++ on CPU (compile_step)
         self.run = (compile_step(self._run, runner.device, small_gemm=small, name=name,
-                                 cpp_wrapper=runner.device.type == "cpu") if whole and runner.compiled
-                    else self._run)
+                                 cpp_wrapper=runner.device.type == "cpu", unguarded=("self.runner.cache",))
+                    if whole and runner.compiled else self._run)
 
     def _run(self, tokens, features, last, start, root):
         """tokens (1, p), features (1, p, F): the true pairs, padded to depth + 1 (padding lands in slots the tree

@@ -203,6 +203,28 @@ def test_compiled_runner_is_lossless_without_recompiles():
     assert spec.generate(batch[0], max_new_tokens=20).stats.mean_accepted > 1.5
 
 
+@pytest.mark.slow
+def test_compiled_steps_follow_their_buffers_when_they_grow():
+    """The compiled steps skip the guards on the KV buffers (compile_step's `unguarded`): a sequence longer than
+    the warmed-up buffers (target and head) grows them, and the steps then read and write the new buffers (still
+    equal to generate)."""
+    target = near_bigram_target("llama")
+    head = oracle_head(target).attach_target(target)
+    runner = StaticRunner(target, head.config.aux_layer_ids, compile=True, buckets=(1, 8))
+    gen = SpeculativeGenerator(target, head, tree=TreeOptions(depth=3, top_k=2, total_tokens=6), runner=runner,
+                               compile=True)
+    gen.warmup(32)
+    head_runner = gen.drafter.runner
+    small = (runner.capacity, head_runner.capacity)
+    ids = torch.randint(3, 320, (1, 500), generator=torch.Generator().manual_seed(5))
+    ref = target.generate(ids, do_sample=False, max_new_tokens=24)
+    out = gen.generate(ids, max_new_tokens=24)
+    assert runner.capacity > small[0] and head_runner.capacity > small[1]
+    assert torch.equal(out.sequences, ref)
+    assert runner.cache.layers[0].keys[0, :, ids.shape[1] - 1].abs().sum() > 0  # the new buffer holds the prompt
+    assert out.stats.mean_accepted > 1.5
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_cuda_graph_capture_is_lossless():
     import torch._inductor.config
