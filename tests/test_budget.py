@@ -75,7 +75,10 @@ def test_auto_tree_picks_a_tree_only_when_it_measures_more_than_plain():
     assert 1 <= len(trial) <= budget.TRIAL_TREES
     assert len({bucket_for(t["total_tokens"] + 1, runner.buckets) for t in trial}) == len(trial)
     assert trial == sorted(trial, key=lambda t: -t["tokens_per_s"])
-    assert report["predicted"]["tokens_per_s"] == trial[0]["tokens_per_s"]
+    # the trial's choice: its best row, or a smaller tree within the margin (prefer_smaller)
+    rows = [tuple(t[k] for k in ("tokens_per_s", "tau", "step_ms", "depth", "top_k", "total_tokens")) for t in trial]
+    choice = budget.prefer_smaller(rows, lambda total: bucket_for(total + 1, runner.buckets))
+    assert report["predicted"]["tokens_per_s"] == choice[0] >= trial[0]["tokens_per_s"] / budget.LARGER_TREE_MARGIN
     if options is None:
         assert report["chosen"] == "none" and report["predicted"]["tokens_per_s"] <= plain
     else:
@@ -92,3 +95,12 @@ def test_auto_tree_without_tree_buckets_chooses_plain_decoding():
     options, report = budget.auto_tree(target, head, prompts(1, 320, seed=6), max_new_tokens=8, verbose=False,
                                        runner=runner)
     assert options is None and report["chosen"] == "none" and report["trial"] == []
+
+
+def test_a_larger_tree_must_win_the_trial_by_a_margin():
+    """Trial rows (tokens/s, tau, step ms, depth, top_k, total): a 7-token tree 3 % ahead of a 3-token one loses
+    to it; 10 % ahead, it wins; the smallest bucket's best row is the starting choice."""
+    size = lambda total: 4 if total <= 3 else 8  # noqa: E731
+    small, small_worse = (132.0, 1.7, 12.8, 2, 2, 3), (120.0, 1.6, 13.0, 1, 6, 3)
+    assert budget.prefer_smaller([(136.0, 1.9, 13.9, 2, 4, 7), small_worse, small], size) == small
+    assert budget.prefer_smaller([(146.0, 1.9, 13.0, 2, 4, 7), small, small_worse], size)[5] == 7
