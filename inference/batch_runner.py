@@ -137,9 +137,8 @@ class BatchRunner:
         if moved:
             dst = torch.tensor(moved, device=self.device)
             src = torch.tensor([order[j] for j in moved], device=self.device)
-            for layer in self.cache.layers:  # gathered first: safe whatever the order
-                layer.keys[dst] = layer.keys[src]
-                layer.values[dst] = layer.values[src]
+            kv = self.cache.drafthead_kv  # (2, layers, rows, ...): every layer at once, gathered first
+            kv[:, :, dst] = kv[:, :, src]
         self.start, self.length = self.start[rows], self.length[rows]
 
     def snapshot(self) -> dict:

@@ -66,10 +66,8 @@ class HeadRunner:
         self.small_rows = use_small_row_kernel(head) > 0
         # compiled steps skip the guards on the KV buffer (compile_step's `unguarded`); reserve() releases them
         # when it replaces the buffer
-        self._expand = (compile_step(self._expand_eager, self.device, unguarded=("self.cache",)) if compile
-                        else self._expand_eager)
-        self._feed = (compile_step(self._feed_eager, self.device, unguarded=("self.cache",)) if compile
-                      else self._feed_eager)
+        self._expand, self._feed = (compile_step(fn, self.device, unguarded=("self.cache",)) if compile else fn
+                                    for fn in (self._expand_eager, self._feed_eager))
         self.steps: dict = {}  # (tree shape, whole) -> its drafting step (tree.DraftStep)
         self.reserve(capacity)
 

@@ -153,7 +153,6 @@ class StreamingSelfDrafter:
         """Only `rows` go on: they move to the front of the same buffers (the batch keeps its size, so its
         compiled graph)."""
         pad = rows[torch.arange(self.slot_pos.shape[0], device=rows.device).clamp_max(rows.shape[0] - 1)]
-        for layer in self.cache.layers:
-            layer.keys.copy_(layer.keys.index_select(0, pad))
-            layer.values.copy_(layer.values.index_select(0, pad))
+        kv = self.cache.drafthead_kv  # (2, layers, rows, ...): every layer at once
+        kv.copy_(kv.index_select(2, pad))
         self.slot_pos = self.slot_pos[pad]
