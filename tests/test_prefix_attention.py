@@ -69,6 +69,29 @@ def test_a_querys_output_does_not_depend_on_the_others():
         assert torch.equal(alone[:, 0], together[:, i])
 
 
+def test_long_contexts_across_blocks_and_spans():
+    """Keys walked in blocks with a running max and split in spans combined after (prefix_attention.cpp): a
+    context past several blocks and spans, an odd length, one row (spans shared by the threads) and several."""
+    for batch, n, used in ((1, 1, 9001), (2, 4, 5001), (1, 16, 4099)):
+        query, key, value, mask = case(batch=batch, n=n, used=used, slots=used + 7, seed=used)
+        ours = kernel_attention(query, key, value, mask, used)
+        exact = attend(query.double(), key.double(), value.double(), mask.double(), 0.125)
+        assert (ours.double() - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
+def test_a_token_alone_and_inside_a_tree_get_the_same_bits():
+    """A token decoded alone (its own slot the last one used) and the same token verified with tree nodes after
+    it (slots it cannot see) attend identically: the blocks and spans are fixed slot ranges and hidden slots add
+    exact zeros. Across a span boundary too (the tree's slots start a new span)."""
+    for past in (300, 4095):
+        query, key, value, mask = case(n=5, used=past + 5, slots=past + 16, seed=past)
+        mask[:, :, 0, past + 1:] = NEG  # query 0 sits at slot `past` and sees only the prefix and itself
+        mask[:, :, 0, :past + 1] = 0
+        tree = kernel_attention(query, key, value, mask, past + 5)
+        alone = kernel_attention(query[:, :, :1], key, value, mask[:, :, :1], past + 1)
+        assert torch.equal(alone[:, 0], tree[:, 0])
+
+
 def test_masked_prefix_slots_batches_and_rows_in_use():
     """Per-row masks with hidden prefix slots (left padding), a float mask, and rows past `rows` left zero."""
     query, key, value, mask = case(batch=3, n=2, used=50, slots=64)
