@@ -337,7 +337,7 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
           const int pair_count = static_cast<int>(pairs);
           int64_t j = 0;
           for (; j + kKeyBlock <= count; j += kKeyBlock) {
-            if (set == 0 && c0 + j + kAhead + kKeyBlock <= k1) {  // the hardware prefetcher alone leaves gaps
+            if (set == set0 && c0 + j + kAhead + kKeyBlock <= k1) {  // the hardware prefetcher alone leaves gaps
               const char* kn = reinterpret_cast<const char*>(keys + (c0 + j + kAhead) * dim);
               const char* vn = reinterpret_cast<const char*>(values + (c0 + j + kAhead) * dim);
               for (int64_t line = 0; line < kKeyBlock * dim * 2; line += 64) {
