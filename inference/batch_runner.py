@@ -44,6 +44,7 @@ from drafthead.masks import to_additive
 
 from .attention import PREFILL_NAME, attention_implementation, kv_length_kwargs
 from .slots import copy_rows
+from .small_gemm import BATCH_KERNEL_ROWS
 from .static_runner import (attach_target, buffer_capacity, compile_step, decoding_session, forward_with_features,
                             release_step, set_write_slot, static_cache)
 
@@ -186,8 +187,9 @@ class BatchRunner:
         self.start, self.length = self.start.index_fill(0, index, 0), self.length.index_fill(0, index, t)
 
     def session(self) -> contextlib.AbstractContextManager:
-        """The model dispatches attention to this runner's kernel inside it (static_runner.decoding_session)."""
-        return decoding_session(self)
+        """The model dispatches attention to this runner's kernel inside it, and multiplies a step's rows × tree
+        tokens with the small-row GEMM up to small_gemm.BATCH_KERNEL_ROWS (static_runner.decoding_session)."""
+        return decoding_session(self, BATCH_KERNEL_ROWS)
 
     def close(self) -> None:
         if self.capture is not None:

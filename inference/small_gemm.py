@@ -28,10 +28,15 @@ from .cpu_kernels import BLOCK, kernels_available
 # inputs of up to this many rows use the kernel (it streams the weights at 1-8 rows; at 16 it still costs half
 # of oneDNN's time; beyond that the step is no longer bound by the weights)
 KERNEL_ROWS = 16
+# a batch's verify step multiplies rows × tree tokens: the batch runner's sessions allow this many. SmolLM2-135M's
+# 211 linears, distinct weights, eager, 2-core Zen 4 EPYC (2026-11-26): kernel 11.7 / 14.7 / 27.2 / 44.2 ms at
+# 8 / 16 / 32 / 64 rows against oneDNN's 27.3 / 30.7 / 44.8 / 75.2; in the batch runner's compiled verify step
+# (8 rows × 8k keys, scripts/verify_cost.py) 3-5 tokens a row cost 6-7 % less than with the limit at 16
+BATCH_KERNEL_ROWS = 64
 
-# set inside small_row_kernel(); a module global, so a compiled step guards on it (a module attribute would not
-# be guarded: the compiled steps skip guards on nn.Module state)
-_active = False
+# the row limit inside small_row_kernel() (0: outside); a module global, so a compiled step guards on it (a module
+# attribute would not be guarded: the compiled steps skip guards on nn.Module state)
+_row_limit = 0
 
 
 def eligible(module: nn.Module) -> bool:
@@ -44,31 +49,29 @@ def eligible(module: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def small_row_kernel():
-    """Inside this context SmallRowLinear modules multiply small inputs with the kernel."""
-    global _active
-    previous, _active = _active, True
+def small_row_kernel(max_rows: int = KERNEL_ROWS):
+    """Inside this context SmallRowLinear modules multiply inputs of up to `max_rows` rows with the kernel."""
+    global _row_limit
+    previous, _row_limit = _row_limit, max_rows
     try:
         yield
     finally:
-        _active = previous
+        _row_limit = previous
 
 
 class SmallRowLinear(nn.Linear):
-    """nn.Linear that multiplies inputs of up to `max_rows` rows with the packed bf16 kernel inside
-    small_row_kernel()."""
+    """nn.Linear that multiplies small inputs with the packed bf16 kernel inside small_row_kernel()."""
 
     packed: torch.Tensor
-    max_rows: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _active and x.dtype == torch.bfloat16 and x.numel() <= self.max_rows * x.shape[-1]:
+        if _row_limit and x.dtype == torch.bfloat16 and x.numel() <= _row_limit * x.shape[-1]:
             return torch.ops.drafthead_kernels.small_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
 @torch.no_grad()
-def use_small_row_kernel(model: nn.Module, max_rows: int = KERNEL_ROWS) -> int:
+def use_small_row_kernel(model: nn.Module) -> int:
     """Turn the model's eligible linears into SmallRowLinear in place (parameters, ties and state dict
     unchanged). Returns how many use the kernel; 0 where it is not available (no eligible linear, or a CPU
     without AVX512-BF16)."""
@@ -80,5 +83,4 @@ def use_small_row_kernel(model: nn.Module, max_rows: int = KERNEL_ROWS) -> int:
             module.__class__ = SmallRowLinear
             module.register_buffer("packed", torch.ops.drafthead_kernels.pack_weight(module.weight.detach()),
                                    persistent=False)
-        module.max_rows = max_rows
     return len(linears)

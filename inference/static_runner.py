@@ -35,7 +35,7 @@ from drafthead.capture import HiddenStateCapture
 from drafthead.masks import buffer_mask, causal_allowed
 
 from .attention import attention_implementation, decoding_attention, kv_length_kwargs
-from .small_gemm import small_row_kernel, use_small_row_kernel
+from .small_gemm import KERNEL_ROWS, small_row_kernel, use_small_row_kernel
 
 DEFAULT_BUCKETS = (1, 4, 8, 12, 16, 32, 64)
 # CPU without the small-row kernel: verify buckets up to this many tokens are compiled with inductor's C++ GEMM
@@ -116,13 +116,13 @@ def attach_target(runner, model: nn.Module, feature_layers: list[int], refusal: 
     runner.small_rows = use_small_row_kernel(model) > 0
 
 
-def decoding_session(runner) -> contextlib.AbstractContextManager:
+def decoding_session(runner, max_rows: int = KERNEL_ROWS) -> contextlib.AbstractContextManager:
     """A runner's decoding session: the model dispatches attention to the runner's kernel and (where the runner
-    uses it) multiplies small steps with the small-row GEMM kernel."""
+    uses it) multiplies steps of up to `max_rows` rows with the small-row GEMM kernel."""
     stack = contextlib.ExitStack()
     stack.enter_context(attention_implementation(runner.model, runner.attention))
     if runner.small_rows:
-        stack.enter_context(small_row_kernel())
+        stack.enter_context(small_row_kernel(max_rows))
     return stack
 
 

@@ -57,19 +57,19 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
 def test_kernel_is_used_only_inside_the_session_and_for_small_inputs():
     """A zeroed packed copy makes the kernel's path visible: it returns the bias; nn.Linear's path the product."""
     module = linear(64, 96, bias=True)
-    use_small_row_kernel(module, max_rows=4)
+    use_small_row_kernel(module)
     module.packed.zero_()
     small, large = torch.randn(4, 64).to(torch.bfloat16), torch.randn(5, 64).to(torch.bfloat16)
     assert torch.equal(module(small), F.linear(small, module.weight, module.bias))  # outside: nn.Linear exactly
-    with small_row_kernel():
+    with small_row_kernel(max_rows=4):
         assert torch.equal(module(small), module.bias.expand(4, 96))
         assert torch.equal(module(large), F.linear(large, module.weight, module.bias))  # too many rows
     step = torch.compile(lambda x: module(x) * 1, dynamic=False)
     with torch.inference_mode():
-        with small_row_kernel():
+        with small_row_kernel(max_rows=4):
             assert torch.equal(step(small), module.bias.expand(4, 96))
         assert torch.equal(step(small), F.linear(small, module.weight, module.bias))  # the guard recompiles
-        with small_row_kernel():
+        with small_row_kernel(max_rows=4):
             assert torch.equal(step(small), module.bias.expand(4, 96))
 
 
@@ -112,3 +112,29 @@ def test_the_static_runner_verifies_with_the_kernel_close_to_pytorchs_linears(co
     scale = ref_logits.abs().max()
     assert (logits - ref_logits).abs().max() <= 0.05 * scale
     assert (features - ref_features).abs().max() <= 0.05 * ref_features.abs().max()
+
+
+def test_a_batch_runners_verify_multiplies_rows_times_tree_tokens_with_the_kernel():
+    """4 rows × 8 tree tokens = 32 rows: past the single-sequence limit (KERNEL_ROWS), within the batch runner's
+    (BATCH_KERNEL_ROWS), so its session runs the kernel where a plain session would use nn.Linear."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from inference.batch_runner import BatchRunner
+    from inference.small_gemm import BATCH_KERNEL_ROWS, KERNEL_ROWS
+
+    assert KERNEL_ROWS < 4 * 8 <= BATCH_KERNEL_ROWS
+    runner = BatchRunner(tiny_model("llama", dtype=torch.bfloat16, head_dim=32), [])
+    ids = torch.randint(3, 320, (4, 12), generator=torch.Generator().manual_seed(0))
+    chain = torch.ones(8, 8, dtype=torch.bool).tril().expand(4, 8, 8)
+    depths = torch.arange(8).expand(4, 8)
+
+    def kernel_calls(session) -> int:
+        with session, torch.inference_mode():
+            runner.reset(4, 12 + 8)
+            runner.prefill(ids)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                runner.verify(ids[:, :8], depths, chain)
+        return sum(event.count for event in prof.key_averages() if "small_linear" in event.key)
+
+    assert kernel_calls(runner.session()) > 0
+    assert kernel_calls(small_row_kernel()) == 0  # the single-sequence limit: 32 rows go to nn.Linear
