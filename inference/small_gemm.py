@@ -11,8 +11,8 @@ The kernel is built on first use where the CPU has AVX512-BF16 (cpu_kernels.py);
 `use_small_row_kernel(model)` turns a model's bf16 `nn.Linear` modules into `SmallRowLinear` in place: same
 parameters and state dict, plus a packed copy of each weight (one more copy of the linear weights in memory). They
 use the kernel only inside `small_row_kernel(max_rows)` (the fast runners' decoding sessions) and only for inputs
-of up to `max_rows` rows; elsewhere (a prompt, the user's own calls of the model) they are exactly nn.Linear. The weights
-are packed once: for frozen inference weights.
+of up to `max_rows` rows; elsewhere (a prompt, the user's own calls of the model) they are exactly nn.Linear. The
+weights are packed once: for frozen inference weights.
 """
 
 from __future__ import annotations
