@@ -77,24 +77,26 @@ inline void score_block(const uint16_t* k, int64_t ldk, const __m512bh* qp, int 
   for (int t = 0; t < kKeys; ++t) out[t] = acc[t];
 }
 
+// mask entry j (stride `step`) of a bf16 or float mask row, as float
+inline float mask_entry(const char* src, int64_t j, int64_t step, bool float_mask) {
+  if (float_mask) return reinterpret_cast<const float*>(src)[j * step];
+  const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(src)[j * step]) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
 // whether any of `count` mask entries (stride `step`, bf16 or float) is nonzero (-0 counts as zero)
 inline bool any_nonzero(const char* src, int64_t count, int64_t step, bool float_mask) {
   int64_t j = 0;
-  if (float_mask) {
-    const float* m = reinterpret_cast<const float*>(src);
-    if (step == 1)
-      for (; j + 16 <= count; j += 16)
-        if (_mm512_test_epi32_mask(_mm512_loadu_si512(m + j), _mm512_set1_epi32(0x7fffffff))) return true;
-    for (; j < count; ++j)
-      if (m[j * step] != 0.0f) return true;
-  } else {
-    const uint16_t* m = reinterpret_cast<const uint16_t*>(src);
-    if (step == 1)
-      for (; j + 32 <= count; j += 32)
-        if (_mm512_test_epi16_mask(_mm512_loadu_si512(m + j), _mm512_set1_epi16(0x7fff))) return true;
-    for (; j < count; ++j)
-      if (m[j * step] & 0x7fff) return true;
-  }
+  if (step == 1 && float_mask)
+    for (; j + 16 <= count; j += 16)
+      if (_mm512_test_epi32_mask(_mm512_loadu_si512(src + 4 * j), _mm512_set1_epi32(0x7fffffff))) return true;
+  if (step == 1 && !float_mask)
+    for (; j + 32 <= count; j += 32)
+      if (_mm512_test_epi16_mask(_mm512_loadu_si512(src + 2 * j), _mm512_set1_epi16(0x7fff))) return true;
+  for (; j < count; ++j)
+    if (mask_entry(src, j, step, float_mask) != 0.0f) return true;
   return false;
 }
 
@@ -108,7 +110,8 @@ inline void score_block_half(const uint16_t* k, int64_t ldk, const __m512bh* qp,
     const __m256bh q = (__m256bh)_mm256_load_si256(reinterpret_cast<const __m256i*>(qp + p));
 #pragma GCC unroll 8
     for (int t = 0; t < kKeys; ++t)
-      acc[t] = _mm256_dpbf16_ps(acc[t], q, (__m256bh)_mm256_set1_epi32(*reinterpret_cast<const int32_t*>(k + t * ldk + 2 * p)));
+      acc[t] = _mm256_dpbf16_ps(acc[t], q,
+                                (__m256bh)_mm256_set1_epi32(*reinterpret_cast<const int32_t*>(k + t * ldk + 2 * p)));
   }
   for (int t = 0; t < kKeys; ++t) out[t] = _mm512_zextps256_ps512(acc[t]);
 }
@@ -187,13 +190,13 @@ inline void store_row(const float* raw, int64_t dim, float scale, uint16_t* dst)
 // additive (bf16 or float, any strides), length: the used slots (keys at or after it are not read), rows: the
 // leading batch rows in use (later rows get zeros). Returns (B, n, H, D) bf16.
 //
-// Work: one task per (row, KV head, span of kSplit keys) (and lane set, when those are few); a task walks its span in blocks of kChunk keys (keys and
-// values of a block stay in L1 while every lane set reads them: each byte of the cache is read from memory once
-// whatever the number of queries) with a running max per lane (online softmax: the sums so far are rescaled when
-// the max rises). Spans of a long context are combined after (flash-decoding): the threads share the keys of one
-// row and head. Block and span boundaries are absolute slot numbers, so a query's output depends only on its own
-// keys and mask row: not on the other queries, nor on masked slots after its own (a token decoded alone and the
-// same token verified inside a tree get the same bits).
+// Work: one task per (row, KV head, span of kSplit keys) (and lane set, when those are few); a task walks its span
+// in blocks of kChunk keys (keys and values of a block stay in cache while every lane set reads them: each byte of
+// the cache is read from memory once whatever the number of queries) with a running max per lane (online softmax:
+// the sums so far are rescaled when the max rises). Spans of a long context are combined after (flash-decoding):
+// the threads share the keys of one row and head. Block and span boundaries are absolute slot numbers, so a
+// query's output depends only on its own keys and mask row: not on the other queries, nor on masked slots after
+// its own (a token decoded alone and the same token verified inside a tree get the same bits).
 torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                                     const torch::Tensor& mask, double scaling, const torch::Tensor& length,
                                     const torch::Tensor& rows) {
@@ -215,7 +218,7 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
               "prefix_attention_bf16: bf16 or float mask expected");
   const int64_t used = std::min<int64_t>(length.item<int64_t>(), slots);
   const int64_t alive = std::min<int64_t>(rows.item<int64_t>(), batch);
-  const int64_t groups = heads / kv_heads, pairs = dim / 2, kvec = dim / 16;
+  const int64_t groups = heads / kv_heads, pairs = dim / 2;
   const int64_t lanes_total = groups * n, lane_sets = (lanes_total + kLanes - 1) / kLanes;
   const int64_t lanes_pad = lane_sets * kLanes;
   const int64_t spans = std::max<int64_t>(1, (used + kSplit - 1) / kSplit);
@@ -282,7 +285,8 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
         for (int64_t p = 0; p < pairs; ++p) {
           for (int l = 0; l < kLanes; ++l) {
             const int64_t flat = set * kLanes + l;
-            const uint16_t* row = flat < lanes_total ? q + b * qs0 + (kvh * groups + flat / n) * qs1 + (flat % n) * qs2 : nullptr;
+            const uint16_t* row =
+                flat < lanes_total ? q + b * qs0 + (kvh * groups + flat / n) * qs1 + (flat % n) * qs2 : nullptr;
             const uint32_t lo = row ? row[2 * p * qs3] : 0, hi = row ? row[(2 * p + 1) * qs3] : 0;
             packed[l] = static_cast<int32_t>(lo | (hi << 16));
           }
@@ -308,16 +312,7 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
         }
         for (int64_t i = 0; masked && i < n; ++i) {
           const char* src = mask_row + (i * ms2 + c0 * ms3) * mask_item;
-          if (float_mask) {
-            const float* m = reinterpret_cast<const float*>(src);
-            for (int64_t j = 0; j < count; ++j) mq[j * kLanes + i] = m[j * ms3];
-          } else {
-            const uint16_t* m = reinterpret_cast<const uint16_t*>(src);
-            for (int64_t j = 0; j < count; ++j) {
-              const uint32_t bits = static_cast<uint32_t>(m[j * ms3]) << 16;
-              std::memcpy(mq + j * kLanes + i, &bits, sizeof(float));
-            }
-          }
+          for (int64_t j = 0; j < count; ++j) mq[j * kLanes + i] = mask_entry(src, j, ms3, float_mask);
         }
         for (int64_t set = set0; set < set1; ++set) {
           const __m512bh* qp = packed_queries.data() + set * pairs;
@@ -327,8 +322,10 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
           __m512 block[kKeyBlock];
           auto keep = [&](int64_t j, int keys_in_block) {
             for (int t = 0; t < keys_in_block; ++t) {
-              const __m512 s = masked ? _mm512_fmadd_ps(block[t], vscale, _mm512_permutexvar_ps(gather, _mm512_loadu_ps(mq + (j + t) * kLanes)))
-                                      : _mm512_mul_ps(block[t], vscale);
+              const __m512 s =
+                  masked ? _mm512_fmadd_ps(block[t], vscale,
+                                           _mm512_permutexvar_ps(gather, _mm512_loadu_ps(mq + (j + t) * kLanes)))
+                         : _mm512_mul_ps(block[t], vscale);
               best = _mm512_max_ps(best, s);
               scores[j + t] = s;
             }
@@ -367,7 +364,8 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
               if (!((rose >> l) & 1)) continue;
               const __m512 f = _mm512_set1_ps(factor[l]);
               float* row = acc + (set * kLanes + l) * dim;
-              for (int64_t c = 0; c < dim; c += 16) _mm512_storeu_ps(row + c, _mm512_mul_ps(_mm512_loadu_ps(row + c), f));
+              for (int64_t c = 0; c < dim; c += 16)
+                _mm512_storeu_ps(row + c, _mm512_mul_ps(_mm512_loadu_ps(row + c), f));
             }
           }
           // exponentials as bf16 pairs of keys, and their sums per lane
