@@ -263,7 +263,9 @@ class BatchRunner:
         set_write_slot(self.cache, w)
         mask = to_additive(allowed.unsqueeze(1), self.dtype)
         if self._step is None:
-            self._step = compile_step(self._step_forward, self.device) if self.compiled else self._step_forward
+            # the buffers' guards are skipped (compile_step's `unguarded`): new buffers come with a new step (reset)
+            self._step = (compile_step(self._step_forward, self.device, name="batch_verify", unguarded=("self.cache",))
+                          if self.compiled else self._step_forward)
         t0 = time.perf_counter()
         logits, features, greedy = self._step(tokens, positions, mask, torch.tensor(b))
         if n not in self._traced:
