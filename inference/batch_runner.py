@@ -125,9 +125,10 @@ class BatchRunner:
         b = self.batch
         return [(layer.keys[:b], layer.values[:b]) for layer in self.cache.layers]
 
-    def slots_of(self, positions: torch.Tensor) -> torch.Tensor:
-        """Buffer slots of committed positions (B, M) of each row."""
-        return self.start[:, None] + positions
+    def slots_of(self, positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Buffer slots of committed positions (B, M) of each row in use, or (R, M) of the rows `rows` (R,)."""
+        start = self.start if rows is None else self.start[rows]
+        return start[:, None] + positions
 
     @torch.inference_mode()
     def keep_rows(self, rows: torch.Tensor) -> None:
