@@ -98,9 +98,10 @@ def test_auto_tree_without_tree_buckets_chooses_plain_decoding():
 
 
 def test_a_larger_tree_must_win_the_trial_by_a_margin():
-    """Trial rows (tokens/s, tau, step ms, depth, top_k, total): a 7-token tree 3 % ahead of a 3-token one loses
-    to it; 10 % ahead, it wins; the smallest bucket's best row is the starting choice."""
+    """Trial rows (tokens/s, tau, step ms, depth, top_k, total): a 7-token tree 3 % or 6 % ahead of a 3-token one
+    loses to it; 12 % ahead, it wins; the smallest bucket's best row is the starting choice."""
     size = lambda total: 4 if total <= 3 else 8  # noqa: E731
     small, small_worse = (132.0, 1.7, 12.8, 2, 2, 3), (120.0, 1.6, 13.0, 1, 6, 3)
     assert budget.prefer_smaller([(136.0, 1.9, 13.9, 2, 4, 7), small_worse, small], size) == small
-    assert budget.prefer_smaller([(146.0, 1.9, 13.0, 2, 4, 7), small, small_worse], size)[5] == 7
+    assert budget.prefer_smaller([(140.0, 1.9, 13.6, 3, 3, 7), small_worse, small], size) == small
+    assert budget.prefer_smaller([(148.0, 1.9, 13.0, 2, 4, 7), small, small_worse], size)[5] == 7
