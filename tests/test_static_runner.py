@@ -189,10 +189,13 @@ def test_compiled_runner_is_lossless_without_recompiles():
     spec = SpeculativeGenerator(target, head, tree=TreeOptions(depth=3, top_k=2, total_tokens=6), runner=runner,
                                 compile=True)  # the head's drafting step compiled whole
     plain = SpeculativeGenerator(target, None, tree="none", runner=runner)
-    batch = prompts(6, 320, seed=3)
-    for gen in (spec, plain):  # first round compiles buckets 8 and 1
-        gen.warmup(64)
-    assert set(runner.compile_s) == {1, 8}
+    g = torch.Generator().manual_seed(4)
+    # short prompts (padded to one 17-row chunk) and longer ones (one 40-row chunk; two chunks of 75): one
+    # prompt-chunk graph for all of them
+    batch = prompts(6, 320, seed=3) + [torch.randint(3, 320, (1, n), generator=g) for n in (40, 150)]
+    for gen in (spec, plain):  # first round compiles buckets 8 and 1, and the prompt-chunk graph
+        gen.warmup(192)
+    assert set(runner.compile_s) == {1, 8, "prefill"}
     graphs = counters["stats"]["unique_graphs"]
     for ids in batch:
         ref = target.generate(ids, do_sample=False, max_new_tokens=20)
