@@ -203,19 +203,21 @@ class StaticRunner:
         set_write_slot(self.cache, n)
 
     # --------------------------------------------------------------------------------------------- forward
-    def _forward(self, input_ids, position_ids, attention_mask, kv_length):
-        logits, features = forward_with_features(self, lambda: self.model(
+    def _model_forward(self, input_ids, position_ids, attention_mask, kv_length, logits_to_keep=0):
+        """(logits, features) of the model over the buffers: `logits_to_keep` as transformers takes it."""
+        return forward_with_features(self, lambda: self.model(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, past_key_values=self.cache,
-            use_cache=True, **kv_length_kwargs(self.model, kv_length)))
+            use_cache=True, logits_to_keep=logits_to_keep, **kv_length_kwargs(self.model, kv_length)))
+
+    def _forward(self, input_ids, position_ids, attention_mask, kv_length):
+        logits, features = self._model_forward(input_ids, position_ids, attention_mask, kv_length)
         # the greedy choice inside the graph: a fused argmax beats eager bf16 argmax over 49k logits (~0.7 ms)
         return logits, features, logits.argmax(dim=-1)
 
     def _prefill_forward(self, input_ids, position_ids, attention_mask, kv_length, last):
         """A prompt chunk's forward: the features of every row, the logits of row `last` (a (1,) index tensor)
         only. The lm_head over a 64-row chunk is ~a fifth of its cost, and a prompt needs one row of logits."""
-        return forward_with_features(self, lambda: self.model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, past_key_values=self.cache,
-            use_cache=True, logits_to_keep=last, **kv_length_kwargs(self.model, kv_length)))
+        return self._model_forward(input_ids, position_ids, attention_mask, kv_length, logits_to_keep=last)
 
     def _step(self, size: int) -> Callable:
         """The forward for a `size`-token bucket: eager, or its own compiled step (built on first use; small
