@@ -166,7 +166,7 @@ class StaticRunner:
         self.cache: StaticCache | None = None
         self.capacity = 0
         self._length = 0
-        self._steps: dict[int, Callable] = {}  # bucket -> its compiled step (its own code object and graphs)
+        self._steps: dict[int | str, Callable] = {}  # bucket (or "prefill") -> its compiled step (own code object)
         self.reserve(capacity)
 
     # --------------------------------------------------------------------------------------------- buffers
