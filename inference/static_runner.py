@@ -35,7 +35,7 @@ from drafthead.capture import HiddenStateCapture
 from drafthead.masks import buffer_mask, causal_allowed
 
 from .attention import attention_implementation, decoding_attention, kv_length_kwargs
-from .small_gemm import KERNEL_ROWS, small_row_kernel, use_small_row_kernel
+from .small_gemm import KERNEL_ROWS, FuseSiblingLinears, small_row_kernel, use_small_row_kernel
 
 DEFAULT_BUCKETS = (1, 4, 8, 12, 16, 32, 64)
 # CPU without the small-row kernel: verify buckets up to this many tokens are compiled with inductor's C++ GEMM
@@ -413,6 +413,10 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
     torch._inductor.config.cpp.enable_concat_linear = True
     if cpp_wrapper:
         options["cpp_wrapper"] = True
+    # small_linear calls sharing an input (q/k/v, gate/up) become one call over their back-to-back packed weights:
+    # SmolLM2-135M 211 -> 121 calls a step; 2-core Zen 4 EPYC, bf16, 8 MT-bench prompts × 128 tokens, both
+    # variants in one process taking turns, 4 rounds: engine plain +3.5 to +11.5 %, a 2/3/3 tree +1.8 to +8.9 %
+    options["post_grad_custom_post_pass"] = FuseSiblingLinears()
     if small_gemm:
         options.update(max_autotune=True, max_autotune_gemm_backends="CPP", autotune_fallback_to_aten=True)
     step = torch.compile(fn, dynamic=dynamic, options=options)

@@ -138,3 +138,52 @@ def test_a_batch_runners_verify_multiplies_rows_times_tree_tokens_with_the_kerne
 
     assert kernel_calls(runner.session()) > 0
     assert kernel_calls(small_row_kernel()) == 0  # the single-sequence limit: 32 rows go to nn.Linear
+
+
+class Projections(nn.Module):
+    """An attention's projections: q, k and v read the same input, o another one."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.v, self.o = (nn.Linear(64, n, bias=False).to(torch.bfloat16) for n in (64, 32, 32, 64))
+
+
+class KernelCalls(nn.Module):
+    """The projections' kernel calls as a compiled step's graph holds them (weights read with get_attr)."""
+
+    def __init__(self, projections: Projections):
+        super().__init__()
+        self.p = projections
+
+    def forward(self, x):
+        op = torch.ops.drafthead_kernels.small_linear.default
+        return (op(x, self.p.q.packed, None), op(x, self.p.k.packed, None) * 2, op(x, self.p.v.packed, None),
+                op(x + 1, self.p.o.packed, None))
+
+
+def test_siblings_sharing_an_input_become_one_call_with_bit_identical_results():
+    """use_small_row_kernel packs a module's same-width linears back to back in one buffer; the graph pass then
+    multiplies the ones that share an input (q, k, v; not o) in one call over that span, sliced per call."""
+    from inference.small_gemm import FuseSiblingLinears
+
+    projections = Projections()
+    assert use_small_row_kernel(projections) == 4
+    packed = [getattr(projections, name).packed for name in "qkvo"]
+    assert len({p.untyped_storage().data_ptr() for p in packed}) == 1  # one buffer, no copy
+    assert [p.storage_offset() for p in packed] == [0, 64 * 64, 96 * 64, 128 * 64]
+    graph_module = torch.fx.symbolic_trace(KernelCalls(projections))
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    before = graph_module(x)
+
+    def calls():
+        return sum(node.target is torch.ops.drafthead_kernels.small_linear.default for node in graph_module.graph.nodes)
+
+    assert calls() == 4
+    FuseSiblingLinears()(graph_module.graph)
+    graph_module.recompile()
+    assert calls() == 2  # q/k/v in one call, o alone (another input)
+    after = graph_module(x)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    with small_row_kernel():  # and the modules' own path agrees with both
+        assert torch.equal(projections.k(x) * 2, after[1])
