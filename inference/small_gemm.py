@@ -128,7 +128,10 @@ class FuseSiblingLinears(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         module = graph.owning_module
-        op = torch.ops.drafthead_kernels.small_linear.default
+        try:
+            op = torch.ops.drafthead_kernels.small_linear.default
+        except AttributeError:  # the kernels were never loaded (fp32, no AVX512-BF16): no call to fuse
+            return
         by_input: dict[torch.fx.Node, list[torch.fx.Node]] = {}
         for node in graph.nodes:
             if (node.op == "call_function" and node.target is op and len(node.args) >= 2

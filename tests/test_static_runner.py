@@ -308,3 +308,35 @@ def test_bf16_head_runner_drafts_on_the_decoding_attention(head_dim, length):
     ours, theirs = feed(runner), feed(ref_runner)
     torch.testing.assert_close(ours[0], theirs[0], atol=0.05, rtol=0.05)  # the last output hidden (1, 1, H)
     torch.testing.assert_close(ours[1], theirs[1], atol=0.05, rtol=0.05)  # its top-4 log-probs
+
+
+def test_a_compiled_step_works_in_a_process_that_never_loaded_the_kernels():
+    """compile_step's graph pass (small_gemm.FuseSiblingLinears) looks for the small-row kernel's calls; in a
+    process that never built the kernels (fp32, or a CPU without AVX512-BF16) their op namespace is empty, and the
+    pass must leave the graph alone instead of failing the compile. A fresh process, so nothing loaded them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import torch
+from tiny import tiny_model
+from drafthead.masks import causal_allowed
+from inference.static_runner import StaticRunner
+assert not hasattr(torch.ops.drafthead_kernels, "small_linear")
+target = tiny_model("llama")
+ids = torch.randint(3, 320, (1, 12), generator=torch.Generator().manual_seed(0))
+logits = {}
+for compile in (False, True):
+    runner = StaticRunner(target, [2, 4], compile=compile)
+    with runner.session(), torch.inference_mode():
+        runner.reset(16)
+        runner.prefill(ids[:, :8])
+        logits[compile] = runner.verify(ids[:, 8:], torch.arange(4), causal_allowed(4, 0, ids.device))[0]
+assert torch.allclose(logits[False], logits[True], atol=1e-4), (logits[False] - logits[True]).abs().max()
+"""
+    root = Path(__file__).resolve().parents[1]
+    env = {**__import__("os").environ, "PYTHONPATH": f"{root}:{root / 'tests'}"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
