@@ -81,24 +81,19 @@ def use_small_row_kernel(model: nn.Module) -> int:
     linears = [m for m in model.modules() if isinstance(m, SmallRowLinear) or eligible(m)]
     if not linears or not kernels_available():
         return 0
-    for parent in model.modules():
-        siblings: dict[int, list[nn.Linear]] = {}
-        for child in parent.children():
-            if eligible(child) and not isinstance(child, SmallRowLinear):
-                siblings.setdefault(child.in_features, []).append(child)
-        for group in siblings.values():
-            packed = torch.cat([torch.ops.drafthead_kernels.pack_weight(m.weight.detach()) for m in group])
-            start = 0
-            for module in group:
-                blocks = module.out_features // BLOCK
-                module.__class__ = SmallRowLinear
-                module.register_buffer("packed", packed[start: start + blocks], persistent=False)
-                start += blocks
-    for module in linears:  # one without a parent here (the model itself is a linear)
-        if not isinstance(module, SmallRowLinear):
+    groups: dict[tuple[int, int], list[nn.Linear]] = {}  # (parent, input width) -> siblings, in module order
+    parents = {id(child): id(parent) for parent in model.modules() for child in parent.children()}
+    for module in linears:
+        if not isinstance(module, SmallRowLinear):  # the model itself may be the linear: a group of its own
+            groups.setdefault((parents.get(id(module), id(module)), module.in_features), []).append(module)
+    for group in groups.values():
+        packed = torch.cat([torch.ops.drafthead_kernels.pack_weight(m.weight.detach()) for m in group])
+        start = 0
+        for module in group:
+            blocks = module.out_features // BLOCK
             module.__class__ = SmallRowLinear
-            module.register_buffer("packed", torch.ops.drafthead_kernels.pack_weight(module.weight.detach()),
-                                   persistent=False)
+            module.register_buffer("packed", packed[start: start + blocks], persistent=False)
+            start += blocks
     return len(linears)
 
 
@@ -109,14 +104,10 @@ def _attribute(module: nn.Module, target: str) -> torch.Tensor:
     return module
 
 
-def _same_buffer_run(tensors: list[torch.Tensor]) -> bool:
-    """True when the packed weights lie back to back, in this order, in one storage."""
-    storage = tensors[0].untyped_storage().data_ptr()
-    for a, b in zip(tensors, tensors[1:]):
-        if (b.untyped_storage().data_ptr() != storage or not b.is_contiguous()
-                or a.storage_offset() + a.numel() != b.storage_offset()):
-            return False
-    return tensors[0].is_contiguous()
+def _back_to_back(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when packed weight b starts where a ends, in one storage."""
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.is_contiguous()
+            and b.is_contiguous() and a.storage_offset() + a.numel() == b.storage_offset())
 
 
 class FuseSiblingLinears(CustomGraphPass):
@@ -138,6 +129,7 @@ class FuseSiblingLinears(CustomGraphPass):
                     and isinstance(node.args[1], torch.fx.Node) and node.args[1].op == "get_attr"
                     and (len(node.args) < 3 or node.args[2] is None) and not node.kwargs):
                 by_input.setdefault(node.args[0], []).append(node)
+        order = {n: i for i, n in enumerate(graph.nodes)}  # nodes inserted later are never compared
         fused = 0
         for calls in by_input.values():
             if len(calls) < 2:
@@ -146,27 +138,26 @@ class FuseSiblingLinears(CustomGraphPass):
             calls.sort(key=lambda n: (weights[n].untyped_storage().data_ptr(), weights[n].storage_offset()))
             run: list[torch.fx.Node] = []
             for node in calls + [None]:
-                if node is not None and (not run or _same_buffer_run([weights[run[-1]], weights[node]])):
+                if node is not None and (not run or _back_to_back(weights[run[-1]], weights[node])):
                     run.append(node)
                     continue
                 if len(run) >= 2:
-                    self._fuse(graph, module, run, [weights[n] for n in run], f"_small_linear_fused{fused}")
+                    self._fuse(graph, module, op, run, [weights[n] for n in run], order, f"_small_linear_fused{fused}")
                     fused += 1
                 run = [node] if node is not None else []
 
     @staticmethod
-    def _fuse(graph, module, calls, weights, name) -> None:
+    def _fuse(graph, module, op, calls, weights, order, name) -> None:
         first = weights[0]
         blocks = sum(w.shape[0] for w in weights)
         span = first.as_strided((blocks, *first.shape[1:]), first.stride(), first.storage_offset())
         module.register_buffer(name, span, persistent=False)
         x = calls[0].args[0]
-        order = {n: i for i, n in enumerate(graph.nodes)}
         earliest = min(calls, key=order.__getitem__)
         val = x.meta.get("val")
         with graph.inserting_before(earliest):
             weight_node = graph.get_attr(name)
-            out = graph.call_function(torch.ops.drafthead_kernels.small_linear.default, (x, weight_node, None))
+            out = graph.call_function(op, (x, weight_node, None))
             if val is not None:
                 with val.fake_mode:
                     out.meta["val"] = val.new_empty(*val.shape[:-1], blocks * BLOCK)

@@ -314,6 +314,7 @@ def test_a_compiled_step_works_in_a_process_that_never_loaded_the_kernels():
     """compile_step's graph pass (small_gemm.FuseSiblingLinears) looks for the small-row kernel's calls; in a
     process that never built the kernels (fp32, or a CPU without AVX512-BF16) their op namespace is empty, and the
     pass must leave the graph alone instead of failing the compile. A fresh process, so nothing loaded them."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -336,7 +337,7 @@ for compile in (False, True):
 assert torch.allclose(logits[False], logits[True], atol=1e-4), (logits[False] - logits[True]).abs().max()
 """
     root = Path(__file__).resolve().parents[1]
-    env = {**__import__("os").environ, "PYTHONPATH": f"{root}:{root / 'tests'}"}
+    env = {**os.environ, "PYTHONPATH": f"{root}:{root / 'tests'}"}
     result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
                             timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
