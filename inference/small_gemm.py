@@ -165,7 +165,7 @@ class FuseSiblingLinears(CustomGraphPass):
             for w in weights:
                 width = w.shape[0] * BLOCK
                 part = graph.call_function(torch.ops.aten.slice.Tensor, (out, -1, start, start + width))
-                if "val" in out.meta:
+                if val is not None:
                     with val.fake_mode:
                         part.meta["val"] = torch.ops.aten.slice.Tensor(out.meta["val"], -1, start, start + width)
                 parts.append(part)

@@ -391,11 +391,7 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
 
     options = {"guard_filter_fn": guard_filter}
     fn = own_code(fn, name)
-    if device.type == "cuda" and dynamic:  # a prompt chunk: long kernels, no CUDA graph (one per length)
-        step = torch.compile(fn, dynamic=True, options=options)
-        step.drafthead_code = fn.__func__.__code__
-        return step
-    if device.type == "cuda":  # mode="reduce-overhead": CUDA graphs
+    if device.type == "cuda" and not dynamic:  # mode="reduce-overhead": CUDA graphs
         graphed = torch.compile(fn, dynamic=False, options={**options, "triton.cudagraphs": True})
 
         def run(*args):  # a graph's outputs are overwritten by the next replay: keep copies
@@ -403,22 +399,25 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
 
         run.drafthead_code = fn.__func__.__code__
         return run
-    import torch._inductor.config
+    # CUDA and dynamic (a prompt chunk: long kernels, no CUDA graph, which would be one per length): plain inductor
+    if device.type != "cuda":
+        import torch._inductor.config
 
-    # weight prepacking for oneDNN linear; read from the global config (an `options` entry is not honoured)
-    torch._inductor.config.freezing = True
-    # one GEMM for the linears that share an input (q/k/v, gate/up): at a few tokens a step each oneDNN call costs
-    # a fixed ~15-20 us beyond streaming its weights (SmolLM2 bf16, 1 token, 2-core EPYC with AVX512-BF16: 211
-    # calls a step -> 121, 12.5 -> 10.4 ms a token)
-    torch._inductor.config.cpp.enable_concat_linear = True
-    if cpp_wrapper:
-        options["cpp_wrapper"] = True
-    # small_linear calls sharing an input (q/k/v, gate/up) become one call over their back-to-back packed weights:
-    # SmolLM2-135M 211 -> 121 calls a step; 2-core Zen 4 EPYC, bf16, 8 MT-bench prompts × 128 tokens, both
-    # variants in one process taking turns, 4 rounds: engine plain +3.5 to +11.5 %, a 2/3/3 tree +1.8 to +8.9 %
-    options["post_grad_custom_post_pass"] = FuseSiblingLinears()
-    if small_gemm:
-        options.update(max_autotune=True, max_autotune_gemm_backends="CPP", autotune_fallback_to_aten=True)
+        # weight prepacking for oneDNN linear; read from the global config (an `options` entry is not honoured)
+        torch._inductor.config.freezing = True
+        # one GEMM for the linears that share an input (q/k/v, gate/up): at a few tokens a step each oneDNN call
+        # costs a fixed ~15-20 us beyond streaming its weights (SmolLM2 bf16, 1 token, 2-core EPYC with
+        # AVX512-BF16: 211 calls a step -> 121, 12.5 -> 10.4 ms a token)
+        torch._inductor.config.cpp.enable_concat_linear = True
+        if cpp_wrapper:
+            options["cpp_wrapper"] = True
+        # small_linear calls sharing an input (q/k/v, gate/up) become one call over their back-to-back packed
+        # weights: SmolLM2-135M 211 -> 121 calls a step; 2-core Zen 4 EPYC, bf16, 8 MT-bench prompts × 128
+        # tokens, both variants in one process taking turns, 4 rounds: engine plain +3.5 to +11.5 %, a 2/3/3
+        # tree +1.8 to +8.9 %
+        options["post_grad_custom_post_pass"] = FuseSiblingLinears()
+        if small_gemm:
+            options.update(max_autotune=True, max_autotune_gemm_backends="CPP", autotune_fallback_to_aten=True)
     step = torch.compile(fn, dynamic=dynamic, options=options)
     step.drafthead_code = fn.__func__.__code__
     return step
