@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--draft-vocab", type=int, default=0, help="prune the head's draft vocabulary first")
     parser.add_argument("--tree", default="2,2,3", help="'depth,top_k,total_tokens' or a preset")
     parser.add_argument("--prompts", default="mt_bench", help="'mt_bench' or a JSONL file (as inference.bench)")
+    parser.add_argument("--category", default=None, help="one MT-bench category only (as inference.bench)")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
@@ -119,28 +120,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compile", default="on", choices=["on", "off", "auto"])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    # what inference.bench's loaders read: the head from --draft, pruned to --draft-vocab
+    args.methods, args.draft_model, args.vocab_corpus = "speculative", None, None
 
-    from inference.bench import load_prompts
-    from inference.draft_vocab import assistant_token_counts, default_corpus
-    from inference.loading import load_causal_lm
+    from inference.bench import load_drafts, load_target_and_prompts
 
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    model, tokenizer = load_causal_lm(args.target, dtype)
-    model = model.to(device).eval()
-    head = SpeculativeGenerator.from_pretrained(model, args.draft, tokenizer=tokenizer).head
-    if args.draft_vocab:
-        counts = assistant_token_counts(tokenizer, default_corpus(), head.config.vocab_size)
-        head = head.pruned(counts, args.draft_vocab)
+    model, tokenizer, prompts = load_target_and_prompts(args, device, dtype)
+    head = load_drafts(args, model, tokenizer)[0]
     generators = {
         "engine_plain": SpeculativeGenerator.from_pretrained(model, None, tokenizer=tokenizer, tree="none",
                                                              compile=args.compile),
         "speculative": SpeculativeGenerator.from_pretrained(model, head, tokenizer=tokenizer, tree=args.tree,
                                                             compile=args.compile),
     }
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                             return_tensors="pt", return_dict=True)["input_ids"].to(device)
-               for p in load_prompts(args.prompts, args.num_prompts)]
     longest = max(p.shape[1] for p in prompts) + args.max_new_tokens
     start = time.perf_counter()
     for generator in generators.values():  # compiles happen here, outside the timed rounds

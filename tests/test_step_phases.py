@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import torch
 from tiny import tiny_head, tiny_model
 
+from conftest import save_tiny_target
+from drafthead import save_head
 from inference.engine import SpeculativeGenerator
 from inference.tree import TreeOptions
 
@@ -41,3 +44,18 @@ def test_phases_add_up_and_a_repeated_drafting_step_changes_nothing():
         assert abs(sum(ms[p] for p in ("draft", "verify", "commit", "host")) - spec["loop_ms_per_step"]) < 1e-2
         assert "draft_step" not in plain["ms_per_step"]
     assert result["sequences"]["speculative"] == result["sequences"]["engine_plain"] == reference
+
+
+def test_the_command_line_writes_the_rounds_as_json(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    target_dir = save_tiny_target(tmp_path / "target")
+    save_head(tiny_head(AutoModelForCausalLM.from_pretrained(target_dir)), tmp_path / "head")
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": w}) + "\n" for w in ["one two", "red"]))
+    out = tmp_path / "phases.json"
+    load_script().main(["--target", str(target_dir), "--draft", str(tmp_path / "head"), "--prompts",
+                        str(tmp_path / "prompts.jsonl"), "--max-new-tokens", "8", "--rounds", "1",
+                        "--compile", "off", "--dtype", "float32", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["prompts"] == 2 and len(result["rounds"]) == 1 and "sequences" not in result
+    assert set(result["rounds"][0]) == {"engine_plain", "speculative"}
