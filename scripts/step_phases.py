@@ -26,29 +26,31 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from drafthead.hardware import cpu_flags, resolve_dtype  # noqa: E402
+from drafthead.hardware import cpu_flags, resolve_dtype, synchronizer  # noqa: E402
 from drafthead.utils import atomic_write_json  # noqa: E402
 from inference.engine import SpeculativeGenerator  # noqa: E402
 
 
 class PhaseTimer:
-    """Wraps methods of live objects with wall-clock timers (seconds summed per phase name)."""
+    """Wraps methods of live objects with wall-clock timers (seconds summed per phase name); `sync` waits for the
+    device's queued work before each reading (CUDA runs asynchronously)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sync: Callable[[], None] = lambda: None) -> None:
         self.seconds: dict[str, float] = {}
+        self.sync = sync
 
     def wrap(self, obj: object, attr: str, phase: str, again: str | None = None) -> None:
         """Time obj.attr under `phase`; with `again`, call it a second time right after and time that too."""
         inner: Callable = getattr(obj, attr)
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
-            out = inner(*args, **kwargs)
-            self.add(phase, time.perf_counter() - start)
-            if again is not None:
+            out = None
+            for name in (phase, again) if again is not None else (phase,):
+                self.sync()
                 start = time.perf_counter()
                 out = inner(*args, **kwargs)
-                self.add(again, time.perf_counter() - start)
+                self.sync()
+                self.add(name, time.perf_counter() - start)
             return out
 
         setattr(obj, attr, timed)
@@ -59,7 +61,7 @@ class PhaseTimer:
 
 def instrument(generator: SpeculativeGenerator, repeat_draft: bool = False) -> PhaseTimer:
     """A PhaseTimer around the generator's runner and drafter (for its lifetime)."""
-    timer = PhaseTimer()
+    timer = PhaseTimer(synchronizer(generator.device))
     runner, drafter = generator.runner, generator.drafter
     for attr, phase in (("prefill", "prefill"), ("verify", "verify"), ("commit", "commit")):
         timer.wrap(runner, attr, phase)
