@@ -63,8 +63,8 @@ def instrument(generator: SpeculativeGenerator, repeat_draft: bool = False) -> P
     """A PhaseTimer around the generator's runner and drafter (for its lifetime)."""
     timer = PhaseTimer(synchronizer(generator.device))
     runner, drafter = generator.runner, generator.drafter
-    for attr, phase in (("prefill", "prefill"), ("verify", "verify"), ("commit", "commit")):
-        timer.wrap(runner, attr, phase)
+    for name in ("prefill", "verify", "commit"):
+        timer.wrap(runner, name, name)
     timer.wrap(drafter, "propose", "draft")
     step = getattr(drafter, "step", None)  # a head's drafting step (tree.DraftStep)
     if step is not None:
