@@ -77,20 +77,22 @@ def _wait_then_kill(proc: subprocess.Popen, log: Path, step: int, timeout: float
     """SIGKILL the whole launch (launcher, agent and every rank) once log.jsonl reports `step`; returns the last logged step."""
     deadline = time.time() + timeout
     last = 0
-    while time.time() < deadline and proc.poll() is None:
-        if log.exists():
-            lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
-            last = json.loads(lines[-1])["step"] if lines else 0
-            if last >= step:
-                break
-        time.sleep(0.01)
-    tree = psutil.Process(proc.pid)
-    victims = tree.children(recursive=True) + [tree]  # torchrun's workers are not in the launcher's group
-    for victim in victims:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            victim.send_signal(signal.SIGKILL)
-    proc.wait()
-    psutil.wait_procs(victims, timeout=30)
+    try:
+        while last < step:
+            assert proc.poll() is None, f"the run ended (exit {proc.returncode}) at step {last}, before step {step}"
+            assert time.time() < deadline, f"the run stalled: no step {step} after {timeout:.0f} s (log at {last})"
+            if log.exists():
+                lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
+                last = json.loads(lines[-1])["step"] if lines else 0
+            time.sleep(0.01)
+    finally:
+        tree = psutil.Process(proc.pid)
+        victims = tree.children(recursive=True) + [tree]  # torchrun's workers are not in the launcher's group
+        for victim in victims:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                victim.send_signal(signal.SIGKILL)
+        proc.wait()
+        psutil.wait_procs(victims, timeout=30)
     return last
 
 

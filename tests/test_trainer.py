@@ -253,6 +253,22 @@ def test_loader_resume_exact(tmp_path):
                for step in whole["steps"])
 
 
+def test_loader_workers_do_not_fork_the_trainer():
+    """Loader workers start from a forkserver: a plain fork of the threaded trainer deadlocked a 2-rank run in
+    CPython's after-fork cleanup (once in ~200 loader starts). The workers still read the same batches."""
+    from train.loader import make_loader
+
+    items = [{"input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.bool)} for n in (3, 5, 4, 2)]
+    order = [[0, 1], [2, 3], [1, 3]]
+    with_workers = make_loader(items, order, None, online=True, num_workers=2, device=torch.device("cpu"))
+    assert with_workers.multiprocessing_context.get_start_method() == "forkserver"
+    in_process = make_loader(items, order, None, online=True, num_workers=0, device=torch.device("cpu"))
+    read = lambda loader: [[item["input_ids"].tolist() for item in batch] for batch in loader]  # noqa: E731
+    assert read(with_workers) == read(in_process) == [[list(range(3)), list(range(5))],
+                                                      [list(range(4)), list(range(2))],
+                                                      [list(range(5)), list(range(2))]]
+
+
 def test_step_plan_redeals_across_world_sizes():
     """A position taken with W ranks, continued with W' ranks: the global micro-batch order goes on unchanged."""
     from train.loader import Position, StepPlan

@@ -97,5 +97,11 @@ def make_loader(dataset: Dataset, batch_sampler, max_length: int | None, online:
     """A DataLoader over `dataset` in the order of `batch_sampler`: offline it yields collated (padded) batches;
     online, lists of clipped token items (the target computes their features in the main process)."""
     collate_fn: Callable = functools.partial(clip_items if online else collate, max_length=max_length)
+    # Workers come from a forkserver, never a plain fork of this process: by the time a loader starts, the trainer
+    # runs other threads (gloo, TensorBoard's writer, tqdm's monitor, the feeder threads of an earlier loader), and
+    # CPython 3.11 can deadlock in the forked child's thread-state cleanup when one of them is starting or ending at
+    # the instant of the fork (seen here: a 2-rank run hung for good about once in 200 loader starts).
+    context = "forkserver" if num_workers > 0 else None
     return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate_fn, num_workers=num_workers,
-                      pin_memory=device.type == "cuda", prefetch_factor=4 if num_workers > 0 else None)
+                      pin_memory=device.type == "cuda", prefetch_factor=4 if num_workers > 0 else None,
+                      multiprocessing_context=context)

@@ -222,9 +222,9 @@ class Trainer:
         return step + sum(self.plan.steps_in_epoch(e, position.consumed if e == position.epoch else 0)
                           for e in range(position.epoch, c.epochs))
 
-    def loader(self, dataset, batch_sampler) -> torch.utils.data.DataLoader:
+    def loader(self, dataset, batch_sampler, num_workers: int) -> torch.utils.data.DataLoader:
         c = self.config
-        return make_loader(dataset, batch_sampler, c.max_length, c.online, c.num_workers, self.accelerator.device)
+        return make_loader(dataset, batch_sampler, c.max_length, c.online, num_workers, self.accelerator.device)
 
     def to_device(self, batch) -> dict[str, torch.Tensor]:
         """A loader's batch on the device; online, the target computes its features first (main process)."""
@@ -237,7 +237,7 @@ class Trainer:
         c, acc = self.config, self.accelerator
         batches = epoch_batches(self.val_lengths, 0, 0, c.batch_size, c.batch_tokens, c.max_length)
         mine = rank_batches(batches, acc.process_index, acc.num_processes)[: c.eval_batches]
-        for batch in self.loader(self.val_set, mine):
+        for batch in self.loader(self.val_set, mine, num_workers=0):  # a few batches: not worth starting workers
             yield self.to_device(batch)
 
     def timed(self, part: str):
@@ -258,7 +258,7 @@ class Trainer:
             self.write_untrained_eval()
         self.model.train()
         todo = max(0, self.total_steps - start)
-        batches = iter(self.loader(self.train_set, PlanSampler(self.plan, position, todo)))
+        batches = iter(self.loader(self.train_set, PlanSampler(self.plan, position, todo), c.num_workers))
         window = Window(acc.device)
         for step, planned in enumerate(itertools.islice(self.plan.steps(position), todo), start):
             tic, excluded = time.perf_counter(), 0.0  # excluded: validation and checkpoint time
