@@ -164,8 +164,11 @@ def choose_tree(args, model, head, tokenizer, inputs, runner) -> tuple[TreeOptio
                  for p in load_prompts("mt_bench", None)[-args.calibration_prompts:]]
     else:
         calib = inputs[: args.calibration_prompts]
-    options, report = auto_tree(model, head, calib, max_new_tokens=args.calibration_tokens, runner=runner)
-    return options, {"auto": report, "chosen": dataclasses.asdict(options) if options else "none"}
+    options, report = auto_tree(model, head, calib, max_new_tokens=args.calibration_tokens, runner=runner,
+                                lookup_tokens=args.hybrid_tokens if args.auto_lookup else 0)
+    lookup = bool(report["lookup_branch"] and report["lookup_branch"]["chosen"])
+    return options, {"auto": report, "chosen": dataclasses.asdict(options) if options else "none",
+                     "lookup_branch": lookup}
 
 
 METHODS = {
@@ -177,9 +180,10 @@ METHODS = {
     "compare": "the head with each --compare-tree preset",
     "engine_prompt_lookup": "the engine with the prompt-lookup drafter (--pld-tokens)",
     "hybrid": "the head's tree plus the prompt-lookup branch (--hybrid-tokens)",
+    "tree_alone": "where --tree auto added the lookup branch: the same tree without it",
     "draft_model": "a smaller LM drafting chains of --gamma tokens (--draft-model)",
 }
-DEFAULT_METHODS = "plain,prompt_lookup,engine_plain,speculative,full_vocab,compare"
+DEFAULT_METHODS = "plain,prompt_lookup,engine_plain,speculative,tree_alone,full_vocab,compare"
 
 
 def parse_methods(spec: str) -> list[str]:
@@ -191,7 +195,7 @@ def parse_methods(spec: str) -> list[str]:
     return ["plain"] + [m for m in dict.fromkeys(names) if m != "plain"]
 
 
-def build_methods(args, model, head, tokenizer, eos, runner, options: TreeOptions | None,
+def build_methods(args, model, head, tokenizer, eos, runner, options: TreeOptions | None, tree_info: dict,
                   full_head=None, draft_model=None) -> list[Method]:
     """The methods named by --methods (see METHODS). Engine methods share one runner (one set of KV buffers and
     compiled graphs); a float32 replay builds them afresh on the reference model."""
@@ -223,10 +227,13 @@ def build_methods(args, model, head, tokenizer, eos, runner, options: TreeOption
     if "engine_plain" in wanted:
         methods.append(Method("engine_plain", engine(None), model, head))
     if "speculative" in wanted:  # options None: the tuner chose plain decoding
-        methods.append(Method(f"speculative_{args.tree}", engine(options), model, head,
-                              options.depth if options else 0))
+        branch = dict(hybrid=True, lookup_tokens=args.hybrid_tokens) if tree_info.get("lookup_branch") else {}
+        depth = (max(options.depth, args.hybrid_tokens) if branch else options.depth) if options else 0
+        methods.append(Method(f"speculative_{args.tree}", engine(options, **branch), model, head, depth))
+        if "tree_alone" in wanted and branch:
+            methods.append(Method("tree_alone", engine(options), model, head, options.depth))
         if "full_vocab" in wanted and full_head is not None and options is not None:
-            methods.append(Method("speculative_full_vocab", engine(options), model, full_head, options.depth))
+            methods.append(Method("speculative_full_vocab", engine(options, **branch), model, full_head, depth))
     if "compare" in wanted:
         for name in [t for t in (args.compare_tree or []) if t != args.tree]:
             methods.append(Method(f"speculative_{name}", engine(name), model, head, tree_options(name).depth))
@@ -324,7 +331,7 @@ def prepare_methods(args, model, tokenizer, inputs: list[torch.Tensor]) -> tuple
     options, tree_info = choose_tree(args, model, head, tokenizer, inputs, runner) if head is not None else (None, {})
     tree_info["tuning_s"] = time.perf_counter() - tree_start
     eos = model.generation_config.eos_token_id
-    methods = build_methods(args, model, head, tokenizer, eos, runner, options,
+    methods = build_methods(args, model, head, tokenizer, eos, runner, options, tree_info,
                             full_head if full_head is not head else None, draft_model)
     compile_s = warm_up(methods, inputs, args)
     setup = {"runner": type(runner).__name__, "compile": args.compile, "warmup_s": compile_s,
@@ -482,6 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of: " + "; ".join(f"{k}: {v}" for k, v in METHODS.items()))
     p.add_argument("--gamma", type=int, default=4, help="draft-model chain length (self-speculation's too)")
     p.add_argument("--hybrid-tokens", type=int, default=6, help="prompt-lookup tokens in the hybrid tree")
+    p.add_argument("--auto-lookup", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --tree auto: also try the chosen tree with the prompt-lookup branch (--hybrid-tokens) "
+                        "and keep the branch if it measures at least as fast")
     p.add_argument("--prompts", default="mt_bench", help="mt_bench or a JSONL file")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--category", default=None, help="only prompts of this category (MT-bench: coding, math, ...)")

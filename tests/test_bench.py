@@ -93,3 +93,30 @@ def test_bench_measures_every_drafter_in_one_run(tmp_path):
     assert set(hybrid["acceptance_by_drafter"]) == {"head", "prompt_lookup"}
     assert all(0 <= v <= 1 for v in hybrid["acceptance_by_drafter"].values())
     assert max(int(k) for k in result["methods"]["draft_model"]["accept_histogram"]) <= 4  # gamma 3 + bonus
+
+
+def test_auto_lookup_branch_makes_the_speculative_method_hybrid(tmp_path):
+    """When --tree auto kept the prompt-lookup branch, the main speculative method drafts with it (a hybrid
+    drafter with --hybrid-tokens) and tree_alone is the same tree without it; otherwise tree_alone is not run."""
+    from transformers import AutoModelForCausalLM
+
+    from inference.bench import build_methods, build_parser
+    from inference.hybrid import HybridDrafter
+    from inference.static_runner import StaticRunner
+    from inference.tree import TreeOptions, TreeDrafter
+
+    target_dir = save_tiny_target(tmp_path / "target")
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    head = tiny_head(model, draft_vocab_size=200).attach_target(model)
+    args = build_parser().parse_args(["--target", str(target_dir), "--draft", "unused", "--no-pld", "--compile", "off",
+                                      "--methods", "engine_plain,speculative,tree_alone", "--hybrid-tokens", "5"])
+    runner = StaticRunner(model, head.config.aux_layer_ids)
+    tree = TreeOptions(depth=2, top_k=2, total_tokens=3)
+    kept = build_methods(args, model, head, None, None, runner, tree, {"lookup_branch": True})
+    assert [m.name for m in kept] == ["plain", "engine_plain", "speculative_auto", "tree_alone"]
+    main, alone = kept[2].generator.drafter, kept[3].generator.drafter
+    assert isinstance(main, HybridDrafter) and main.lookup.num_tokens == 5 and main.head.opt == tree
+    assert isinstance(alone, TreeDrafter) and alone.opt == tree
+    dropped = build_methods(args, model, head, None, None, runner, tree, {"lookup_branch": False})
+    assert [m.name for m in dropped] == ["plain", "engine_plain", "speculative_auto"]
+    assert isinstance(dropped[2].generator.drafter, TreeDrafter)

@@ -4,7 +4,7 @@ them (after a target step)."""
 from __future__ import annotations
 
 import torch
-from test_inference_greedy import oracle_head, prompts
+from test_inference_greedy import near_bigram_target, oracle_head, prompts
 from tiny import tiny_model
 
 from inference import TreeOptions, budget
@@ -105,3 +105,34 @@ def test_a_larger_tree_must_win_the_trial_by_a_margin():
     assert budget.prefer_smaller([(136.0, 1.9, 13.9, 2, 4, 7), small_worse, small], size) == small
     assert budget.prefer_smaller([(140.0, 1.9, 13.6, 3, 3, 7), small_worse, small], size) == small
     assert budget.prefer_smaller([(148.0, 1.9, 13.0, 2, 4, 7), small, small_worse], size)[5] == 7
+
+
+def test_lookup_branch_is_kept_only_when_measured_at_least_as_fast():
+    """lookup_tokens > 0: the chosen tree decodes alone and with the prompt-lookup branch; the report keeps both
+    measured rates and the branch only where it was not slower. Without lookup_tokens nothing is tried."""
+    target = near_bigram_target()  # the oracle head drafts it exactly: a tree beats plain decoding by far
+    head = oracle_head(target).attach_target(target)
+    runner = StaticRunner(target, head.config.aux_layer_ids, buckets=(1, 4, 8, 16))
+    calib = [torch.cat([p, p, p], dim=1) for p in prompts(2, 320, seed=4)]  # repeats: the lookup finds matches
+    options, report = budget.auto_tree(target, head, calib, max_new_tokens=24, verbose=False, runner=runner,
+                                       lookup_tokens=4)
+    assert options is not None
+    branch = report["lookup_branch"]
+    rates = branch["tokens_per_s"]
+    assert branch["tokens"] == 4 and rates["tree_alone"] > 0 and rates["with_lookup"] > 0
+    assert branch["chosen"] == (rates["with_lookup"] >= rates["tree_alone"])
+    _, without = budget.auto_tree(target, head, calib, max_new_tokens=8, verbose=False, runner=runner)
+    assert without["lookup_branch"] is None
+
+
+def test_lookup_branch_rates_count_real_tokens():
+    """The two generators decode the same prompts in turns: tokens/s is new tokens over decode time, positive for
+    both, and the runner keeps its buffers."""
+    target = tiny_model("llama")
+    head = oracle_head(target).attach_target(target)
+    runner = StaticRunner(target, head.config.aux_layer_ids, buckets=(1, 4, 8))
+    capacity = runner.capacity
+    rates = budget.measure_lookup_branch(target, head, runner, TreeOptions(depth=2, top_k=2, total_tokens=3), 3,
+                                         prompts(2, 320, seed=5), max_new_tokens=12, rounds=1)
+    assert set(rates) == {False, True} and all(v > 0 for v in rates.values())
+    assert runner.capacity == capacity
