@@ -88,7 +88,8 @@ def main() -> None:
     print(f"target          {target.name} (Q4_1, dequantized), {bench['dtype']} on {bench['device']}")
     print(f"head            {run_dir / 'head' / 'final'}  (training log: {run_dir / 'head' / 'log.jsonl'})")
     print(f"export          {export}  (validated for vLLM / SGLang)")
-    print(f"tree (auto)     {bench['tree']['chosen']}")
+    branch = " + the prompt-lookup branch (measured faster)" if bench["tree"].get("lookup_branch") else ""
+    print(f"tree (auto)     {bench['tree']['chosen']}{branch}")
     print(f"tau             {bench['tau']:.2f} tokens per target forward (auto tree); "
           f"{bench.get('tau_gpu_tree', float('nan')):.2f} with the GPU default tree")
     print(f"engine plain    {bench['engine_plain_speedup']:.2f}x vs plain generate ({bench['runner']}, "
