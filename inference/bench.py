@@ -228,7 +228,7 @@ def build_methods(args, model, head, tokenizer, eos, runner, options: TreeOption
         methods.append(Method("engine_plain", engine(None), model, head))
     if "speculative" in wanted:  # options None: the tuner chose plain decoding
         branch = dict(hybrid=True, lookup_tokens=args.hybrid_tokens) if tree_info.get("lookup_branch") else {}
-        depth = (max(options.depth, args.hybrid_tokens) if branch else options.depth) if options else 0
+        depth = 0 if options is None else max(options.depth, args.hybrid_tokens if branch else 0)
         methods.append(Method(f"speculative_{args.tree}", engine(options, **branch), model, head, depth))
         if "tree_alone" in wanted and branch:
             methods.append(Method("tree_alone", engine(options), model, head, options.depth))
