@@ -31,8 +31,10 @@ from drafthead.paths import cache_dir
 from drafthead.utils import atomic_write_json
 
 from . import batch_bench
-from .budget import auto_tree
+from .budget import auto_tree, choose_draft_vocab
 from .draft_model import DraftModelDrafter, load_draft_model
+from .draft_vocab import (AUTO_SIZES, AUTO_TUNING_SIZE, assistant_token_counts, default_corpus, parse_draft_vocab,
+                          vocab_candidates)
 from .engine import SpeculativeGenerator, accept_histogram
 from .jsonl import iter_jsonl
 from .prompt_lookup import PromptLookupDrafter
@@ -153,22 +155,31 @@ def summarise(method: Method, plain_tps: float | None, depth: int | None) -> dic
     return summary
 
 
-def choose_tree(args, model, head, tokenizer, inputs, runner) -> tuple[TreeOptions | None, dict]:
+def choose_tree(args, model, head, tokenizer, inputs, runner,
+                vocab_heads: dict | None = None) -> tuple[TreeOptions | None, dict, Any]:
     """The tree of the main speculative method: a preset, or `auto` (tuned on this hardware and runner; None when
-    plain decoding on the same runner was measured faster than every tree in the tuning trial)."""
-    if args.tree != "auto":
-        options = tree_options(args.tree)
-        return options, {"chosen": dataclasses.asdict(options)}
+    plain decoding on the same runner was measured faster than every tree in the tuning trial), and the head to
+    draft it with (with `--draft-vocab auto`, the vocabulary size measured fastest on that tree)."""
     if args.prompts == "mt_bench":  # the last MT-bench prompts (in an 80-prompt run they are also measured)
         calib = [chat_ids(tokenizer, p, inputs[0].device)
                  for p in load_prompts("mt_bench", None)[-args.calibration_prompts:]]
     else:
         calib = inputs[: args.calibration_prompts]
+    if args.tree != "auto":
+        options = tree_options(args.tree)
+        info = {"chosen": dataclasses.asdict(options)}
+        if vocab_heads:
+            size, rates = choose_draft_vocab(model, vocab_heads, runner, options, calib, args.calibration_tokens)
+            head = vocab_heads[size]
+            info["draft_vocab"] = {"chosen": size, "trial": {str(k): v for k, v in rates.items()}}
+        return options, info, head
     options, report = auto_tree(model, head, calib, max_new_tokens=args.calibration_tokens, runner=runner,
-                                lookup_tokens=args.hybrid_tokens if args.auto_lookup else 0)
+                                lookup_tokens=args.hybrid_tokens if args.auto_lookup else 0, vocab_heads=vocab_heads)
+    if report["draft_vocab"]:
+        head = vocab_heads[report["draft_vocab"]["chosen"]]
     lookup = bool(report["lookup_branch"] and report["lookup_branch"]["chosen"])
     return options, {"auto": report, "chosen": dataclasses.asdict(options) if options else "none",
-                     "lookup_branch": lookup}
+                     "lookup_branch": lookup}, head
 
 
 METHODS = {
@@ -265,25 +276,29 @@ def warm_up(methods: list[Method], inputs: list[torch.Tensor], args) -> dict:
     return compile_s
 
 
-def load_drafts(args, model, tokenizer) -> tuple[Any, Any, Any]:
-    """(head, unpruned head, draft model) as the methods need them: the head from --draft (pruned to
-    --draft-vocab), the draft model from --draft-model (checked against the target's tokenizer)."""
+def load_drafts(args, model, tokenizer) -> tuple[Any, Any, Any, dict | None]:
+    """(head, unpruned head, draft model, vocabulary candidates) as the methods need them: the head from --draft
+    (pruned to --draft-vocab; with `auto`, to AUTO_TUNING_SIZE, else the smallest size tried, while the tree is
+    tuned, and the candidates {size: head} are what the tuner then tries), the draft model from --draft-model
+    (checked against the target's tokenizer)."""
     wanted = set(parse_methods(args.methods))
-    head = full_head = draft_model = None
+    head = full_head = draft_model = vocab_heads = None
     if wanted & {"speculative", "compare", "hybrid"}:
         if args.draft is None:
             raise SystemExit("--methods speculative/compare/hybrid need a head: pass --draft HEAD_FOLDER")
         head = full_head = SpeculativeGenerator.from_pretrained(model, args.draft, tokenizer=tokenizer).head
         if args.draft_vocab:
-            from .draft_vocab import assistant_token_counts, default_corpus
-
             counts = assistant_token_counts(tokenizer, args.vocab_corpus or default_corpus(), head.config.vocab_size)
-            head = head.pruned(counts, args.draft_vocab)
+            if args.draft_vocab == "auto":
+                vocab_heads = vocab_candidates(head, counts, args.vocab_sizes)
+                head = vocab_heads[AUTO_TUNING_SIZE if AUTO_TUNING_SIZE in vocab_heads else min(vocab_heads)]
+            else:
+                head = head.pruned(counts, args.draft_vocab)
     if "draft_model" in wanted:
         if args.draft_model is None:
             raise SystemExit("--methods draft_model needs --draft-model MODEL_FOLDER")
         draft_model = load_draft_model(args.draft_model, model, tokenizer)
-    return head, full_head, draft_model
+    return head, full_head, draft_model, vocab_heads
 
 
 def run_bench(args: argparse.Namespace, on_prompt=None) -> dict:
@@ -324,17 +339,20 @@ def prepare_methods(args, model, tokenizer, inputs: list[torch.Tensor]) -> tuple
     (methods, the setup part of the JSON, the head or None)."""
     device = next(model.parameters()).device
     args.compile = compile_setting(args.compile, device)
-    head, full_head, draft_model = load_drafts(args, model, tokenizer)
+    head, full_head, draft_model, vocab_heads = load_drafts(args, model, tokenizer)
     runner = make_runner(model, head.config.aux_layer_ids if head is not None else [], args.runner, args.compile)
     runner.reserve(max(ids.shape[1] for ids in inputs) + args.max_new_tokens)
     tree_start = time.perf_counter()
-    options, tree_info = choose_tree(args, model, head, tokenizer, inputs, runner) if head is not None else (None, {})
+    options, tree_info = None, {}
+    if head is not None:
+        options, tree_info, head = choose_tree(args, model, head, tokenizer, inputs, runner, vocab_heads)
     tree_info["tuning_s"] = time.perf_counter() - tree_start
     eos = model.generation_config.eos_token_id
     methods = build_methods(args, model, head, tokenizer, eos, runner, options, tree_info,
                             full_head if full_head is not head else None, draft_model)
     compile_s = warm_up(methods, inputs, args)
-    setup = {"runner": type(runner).__name__, "compile": args.compile, "warmup_s": compile_s,
+    setup = {"draft_vocab": head.config.draft_vocab_size if head is not None and args.draft_vocab else None,
+             "runner": type(runner).__name__, "compile": args.compile, "warmup_s": compile_s,
              "compile_s_per_shape": dict(getattr(runner, "compile_s", {})), "tree": tree_info}
     return methods, setup, head
 
@@ -409,7 +427,7 @@ def assemble(args, device, dtype, inputs, methods: list[Method], mismatches: lis
         "draft": str(args.draft),
         "draft_model": str(args.draft_model) if args.draft_model else None,
         "methods_requested": args.methods,
-        "draft_vocab": args.draft_vocab,
+        "draft_vocab_requested": args.draft_vocab,
         "device": str(device) if device.type != "cpu" else f"cpu ({platform.processor() or platform.machine()}, "
                                                               f"{torch.get_num_threads()} threads)",
         "cpu_flags": cpu_flags(),
@@ -505,8 +523,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-tokens", type=int, default=96)
     p.add_argument("--no-pld", action="store_true", help="skip the prompt_lookup (transformers) method")
     p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens")
-    p.add_argument("--draft-vocab", type=int, default=None,
-                   help="prune the head's draft vocabulary to its N most frequent tokens first (inference.draft_vocab)")
+    p.add_argument("--draft-vocab", type=parse_draft_vocab, default=None,
+                   help="prune the head's draft vocabulary to its N most frequent tokens first (inference.draft_vocab); "
+                        "auto: measure a few sizes (and the unpruned head) on the chosen tree and keep the fastest")
+    p.add_argument("--vocab-sizes", type=lambda v: tuple(int(x) for x in v.split(",") if x.strip()),
+                   default=AUTO_SIZES, help="with --draft-vocab auto: the pruned sizes tried besides the unpruned head "
+                   f"(default {','.join(map(str, AUTO_SIZES))})")
     p.add_argument("--vocab-corpus", type=Path, default=None, help="JSONL conversations for --draft-vocab counts "
                    "(default: the ShareGPT asset)")
     p.add_argument("--runner", default="auto", choices=["auto", "static", "eager"],

@@ -14,7 +14,9 @@
    is measured faster. Predictions alone were not enough: on a 2-core Zen 4 EPYC an 8-token verification cost
    ~2.5 ms more than a plain step when timed alone but ~7 ms more inside decoding over an 1,152-slot buffer, and
    the tuner chose a 7-token tree that ran at 1.25x plain decoding where a 3-token tree ran at 1.39x.
-5. Lookup branch (optional): the chosen tree decodes the calibration prompts again, alone and with the
+5. Draft vocabulary (optional, `--draft-vocab auto`): the chosen tree decodes the calibration prompts with the
+   head pruned to a few vocabulary sizes (and unpruned), taking turns; the fastest measured keeps its place.
+6. Lookup branch (optional): the chosen tree decodes the calibration prompts again, alone and with the
    prompt-lookup branch merged in (hybrid.py), taking turns; the branch stays if it measured at least as fast. On
    the 80 MT-bench prompts on a 2-core Zen 4 EPYC it added 13 % (152.7 vs 134.8 tokens/s, a 2/2/3 tree + 6 lookup
    tokens): the branch costs nothing where nothing in the context matches, and the target copies a lot.
@@ -205,6 +207,17 @@ def measure_decoding_ms(model: nn.Module, head: DraftHead, runner, trees: list[T
                                     for s in runs) for tree, runs in stats.items()}
 
 
+def _rates(gens: dict, inputs: list[torch.Tensor], max_new_tokens: int, rounds: int) -> dict:
+    """{key: {"tokens_per_s", "tau"}} of real greedy generations by each generator, taking turns
+    (_decode_in_turns): new tokens over decode time (prefill excluded) and tokens per step, all prompts and rounds
+    together."""
+    stats = _decode_in_turns(gens, inputs, max_new_tokens, rounds)
+    return {key: {"tokens_per_s": sum(s.new_tokens for s in runs) /
+                  sum(s.total_time_s - s.prefill_time_s for s in runs),
+                  "tau": sum(s.new_tokens for s in runs) / max(sum(len(s.accept_lengths) for s in runs), 1)}
+            for key, runs in stats.items()}
+
+
 def measure_lookup_branch(model: nn.Module, head: DraftHead, runner, tree: TreeOptions, lookup_tokens: int,
                           inputs: list[torch.Tensor], max_new_tokens: int, rounds: int = TRIAL_ROUNDS) -> dict:
     """Decoding tokens/s (new tokens over decode time, prefill excluded, all prompts and rounds together) of the
@@ -214,9 +227,26 @@ def measure_lookup_branch(model: nn.Module, head: DraftHead, runner, tree: TreeO
     compiled = getattr(runner, "compiled", False)
     gens = {hybrid: SpeculativeGenerator(model, head, tree=tree, runner=runner, compile=compiled, hybrid=hybrid,
                                          lookup_tokens=lookup_tokens) for hybrid in (False, True)}
-    stats = _decode_in_turns(gens, inputs, max_new_tokens, rounds)
-    return {hybrid: sum(s.new_tokens for s in runs) / sum(s.total_time_s - s.prefill_time_s for s in runs)
-            for hybrid, runs in stats.items()}
+    return {hybrid: rate["tokens_per_s"] for hybrid, rate in _rates(gens, inputs, max_new_tokens, rounds).items()}
+
+
+def choose_draft_vocab(model: nn.Module, heads: dict[int, DraftHead], runner, tree: TreeOptions,
+                       inputs: list[torch.Tensor], max_new_tokens: int, rounds: int = TRIAL_ROUNDS,
+                       verbose: bool = True) -> tuple[int, dict]:
+    """Weigh a head's draft-vocabulary coverage against its drafting cost: `heads` maps a draft vocabulary size to
+    the head pruned to it (DraftHead.pruned; the unpruned head under its own size), and each decodes the
+    calibration prompts with `tree` on `runner`, taking turns. A smaller vocabulary drafts faster (the lm_head over
+    the draft vocabulary is a large share of a CPU drafting step) and accepts less (the tokens left out are never
+    drafted); the measured tokens/s decides. Returns (chosen size, {size: {"tokens_per_s", "tau"}})."""
+    compiled = getattr(runner, "compiled", False)
+    gens = {size: SpeculativeGenerator(model, head, tree=tree, runner=runner, compile=compiled)
+            for size, head in sorted(heads.items())}
+    rates = _rates(gens, inputs, max_new_tokens, rounds)
+    chosen = max(rates, key=lambda size: rates[size]["tokens_per_s"])
+    if verbose:
+        trial = ", ".join(f"{size}: {r['tokens_per_s']:.1f} tok/s tau {r['tau']:.2f}" for size, r in rates.items())
+        print(f"draft vocabulary auto: {chosen} ({trial})", flush=True)
+    return chosen, rates
 
 
 def _ranks(values: torch.Tensor) -> torch.Tensor:
@@ -291,13 +321,17 @@ def auto_tree(
     verbose: bool = True,
     runner=None,
     lookup_tokens: int = 0,
+    vocab_heads: dict[int, DraftHead] | None = None,
 ) -> tuple[TreeOptions | None, dict]:
     """Choose the tree budget that maximises expected tokens/s on this device, dtype and runner (the one the
     generator will use: pass it; default a new static-or-eager runner). Returns (options, report); options is None
     when plain decoding on the same runner was measured at least as fast as every tree in the trial.
     lookup_tokens > 0: the chosen tree then decodes once more with the prompt-lookup branch of up to that many
     tokens (hybrid drafting, hybrid.py) against itself alone, and report["lookup_branch"]["chosen"] says whether
-    the branch was measured at least as fast (then generate with hybrid=True and these lookup_tokens)."""
+    the branch was measured at least as fast (then generate with hybrid=True and these lookup_tokens).
+    vocab_heads ({draft vocabulary size: head pruned to it}): the chosen tree then decodes with each
+    (choose_draft_vocab), before the lookup branch is tried with the fastest; report["draft_vocab"]["chosen"] names
+    it. The tree itself is tuned with `head`."""
     if runner is None:
         runner = make_runner(model, head.config.aux_layer_ids)
     # acceptance does not depend on the runner: record it on the eager one, which takes trees of any size
@@ -352,6 +386,12 @@ def auto_tree(
     tps, tau, step_ms, depth, top_k, total = prefer_smaller(measured, verify_size) if measured else \
         (0.0, 1.0, plain_ms, 0, 0, 0)
     options = TreeOptions(depth=depth, top_k=top_k, total_tokens=total) if tps > 1000 / plain_ms else None
+    draft_vocab = None
+    if options is not None and vocab_heads and len(vocab_heads) > 1:
+        size, rates = choose_draft_vocab(model, vocab_heads, runner, options, calibration_inputs, max_new_tokens,
+                                         verbose=verbose)
+        head = vocab_heads[size]
+        draft_vocab = {"chosen": size, "trial": {str(k): v for k, v in rates.items()}}
     lookup_branch = None
     if options is not None and lookup_tokens > 0:
         rates = measure_lookup_branch(model, head, runner, options, lookup_tokens, calibration_inputs,
@@ -372,6 +412,7 @@ def auto_tree(
         "trial": [dict(zip(("tokens_per_s", "tau", "step_ms", "depth", "top_k", "total_tokens"), row))
                   for row in sorted(measured, reverse=True)],
         "predicted_gpu_tree": gpu_tree,
+        "draft_vocab": draft_vocab,  # None: not tried (no tree chosen, or no vocab_heads)
         "lookup_branch": lookup_branch,  # None: not tried (no tree chosen, or lookup_tokens 0)
         "verify_ms": {str(k): v for k, v in verify_ms.items()},
         "draft_ms": {f"{d},{k}": v for (d, k), v in draft_ms.items()},
