@@ -39,6 +39,7 @@ from .engine import GenerationStats, Stopper
 from .loading import load_causal_lm
 from .long_context import long_prompts
 from .sampling import SamplingParams
+from .draft_vocab import frequent_tokens
 from .self_draft import StreamingSelfDrafter
 from .static_runner import compile_setting
 from .tree import tree_options
@@ -46,6 +47,7 @@ from .tree import tree_options
 BATCH_METHODS = {
     "plain": "plain batched decoding on the batch runner (the baseline)",
     "self": "self-speculation: the target drafts gamma tokens with a sink + window KV (MagicDec)",
+    "self_vocab": "the same, drafting only the --draft-vocab most frequent tokens (fewer lm_head rows a step)",
     "head": "EAGLE head trees, the head's KV over the whole context",
     "head_window": "EAGLE head trees, the head's KV windowed (sink + window)",
 }
@@ -70,12 +72,17 @@ def peak_rss_mb() -> float | None:
     return None
 
 
-def make_drafters(args, model, head) -> dict:
+def make_drafters(args, model, head, tokenizer=None) -> dict:
     """The methods' batched drafters by name."""
     options = tree_options(args.tree)
-    drafters = {"plain": PlainBatchDrafter(),
-                "self": StreamingSelfDrafter(model, sink=args.sink, window=args.window, gamma=args.gamma,
-                                          compile=args.compile)}
+    streaming = dict(sink=args.sink, window=args.window, gamma=args.gamma, compile=args.compile)
+    drafters = {"plain": PlainBatchDrafter(), "self": StreamingSelfDrafter(model, **streaming)}
+    if "self_vocab" in args.batch_methods:
+        if not isinstance(args.draft_vocab, int):
+            raise SystemExit("--batch-methods self_vocab needs --draft-vocab N (a number of tokens)")
+        vocab = frequent_tokens(tokenizer, model.get_output_embeddings().weight.shape[0], args.draft_vocab,
+                                args.vocab_corpus)
+        drafters["self_vocab"] = StreamingSelfDrafter(model, **streaming, vocab=vocab)
     if head is not None:
         drafters["head"] = BatchHeadDrafter(head, options)
         drafters["head_window"] = BatchHeadDrafter(head, options, sink=args.sink, window=args.window)
@@ -186,7 +193,7 @@ def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
     head = load_head(args.draft, target=model, device=device, dtype=dtype) if args.draft else None
     # the self-draft's step and the target's verify steps (one graph per batch and tree size)
     args.compile = compile_setting(args.compile, device)
-    drafters = make_drafters(args, model, head)
+    drafters = make_drafters(args, model, head, tokenizer)
     names = list(drafters)
     runner = BatchRunner(model, next((d.feature_layers for d in drafters.values() if d.feature_layers), []),
                          compile=args.compile)
@@ -194,6 +201,7 @@ def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
               "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
               "tree": str(tree_options(args.tree)), "compile": args.compile, "sink": args.sink, "window": args.window,
               "gamma": args.gamma, "repeats": args.repeats, "continuous": args.continuous,
+              "draft_vocab": args.draft_vocab if "self_vocab" in names else None,
               "methods": {n: BATCH_METHODS[n] for n in names}, "cells": []}
     room = args.max_new_tokens + max(d.tree_size for d in drafters.values())
     for context in args.contexts:
@@ -265,7 +273,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--continuous", action="store_true",
                    help="continuous batching: the cell's --prompts-per-cell requests (the max batch size of distinct "
                         "prompts, repeated) flow through B rows, each row taking the next request as it finishes")
-    g.add_argument("--batch-methods", default=",".join(BATCH_METHODS),
+    g.add_argument("--batch-methods", default="plain,self,head,head_window",
                    help="comma list of: " + "; ".join(f"{k}: {v}" for k, v in BATCH_METHODS.items()))
     g.add_argument("--sink", type=int, default=4, help="attention-sink positions of a streaming draft KV")
     g.add_argument("--window", type=int, default=512, help="recent positions of a streaming draft KV")

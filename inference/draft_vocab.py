@@ -46,6 +46,15 @@ def assistant_token_counts(tokenizer: Any, path: str | Path, vocab_size: int, li
     return counts
 
 
+def frequent_tokens(tokenizer: Any, vocab_size: int, keep: int, corpus: str | Path | None = None) -> torch.Tensor:
+    """The `keep` target ids the assistant turns of `corpus` (default: the ShareGPT asset) use most, sorted by id:
+    the draft vocabulary of a self-draft (self_draft.StreamingSelfDrafter's `vocab`)."""
+    if not 0 < keep <= vocab_size:
+        raise ValueError(f"keep must be in 1..{vocab_size}, got {keep}")
+    counts = assistant_token_counts(tokenizer, corpus or default_corpus(), vocab_size)
+    return torch.sort(torch.sort(-counts, stable=True).indices[:keep]).values
+
+
 def parse_draft_vocab(value: str) -> int | str:
     """--draft-vocab: a positive number of draft tokens to keep, or "auto"."""
     if value == "auto":

@@ -35,6 +35,7 @@ from .batch_head import BatchHeadDrafter
 from .batch_runner import BatchRunner
 from .batch_tree import PlainBatchDrafter
 from .draft_model import DraftModelDrafter, load_draft_model
+from .draft_vocab import assistant_token_counts, default_corpus, frequent_tokens
 from .drafter import Drafter, PlainDrafter
 from .head_runner import head_runner_for
 from .hybrid import HybridDrafter
@@ -274,6 +275,7 @@ class SpeculativeGenerator:
         draft_kv: str = "full",
         sink: int = 4,
         window: int = 512,
+        draft_vocab: int | None = None,
     ) -> "SpeculativeGenerator":
         """target: HF folder/name or a loaded causal LM. draft: a head folder (native or exported) or DraftHead;
         a smaller causal LM's folder (or model) sharing the target's tokenizer, drafting chains of `gamma` tokens;
@@ -282,19 +284,26 @@ class SpeculativeGenerator:
         self_draft.py); a Drafter; or None with tree="none". hybrid=True adds the prompt-lookup branch to a head's
         tree. draft_kv="streaming" gives a head the same sink + window KV (the draft for long contexts). Raises
         drafthead.HeadMismatchError when a head was made for another target, TokenizerMismatchError when a draft
-        model uses another tokenizer."""
+        model uses another tokenizer. draft_vocab=N: a head or the self-draft proposes only the N tokens that
+        ShareGPT's assistant turns (the asset cache, draft_vocab.py) use most (a head's lm_head rows are pruned;
+        the self-draft computes only those rows of the target's lm_head); output stays lossless."""
         dtype = parse_dtype(dtype)
         model, tokenizer = load_causal_lm(target, dtype, tokenizer)
         model = model.to(device=device, dtype=dtype).eval()
         ref = next(model.parameters())
+        if draft_vocab is not None and tokenizer is None:
+            raise ValueError("draft_vocab counts tokens with the target's tokenizer: pass tokenizer=")
         if isinstance(draft, str) and draft == "prompt-lookup":
             draft = PromptLookupDrafter(lookup_tokens)
         elif isinstance(draft, str) and draft == "self":
             if draft_kv != "streaming":
                 raise ValueError("self-speculation drafts with draft_kv='streaming' (a full-KV self draft is the "
                                  "target itself)")
+            vocab = None if draft_vocab is None else frequent_tokens(
+                tokenizer, model.get_output_embeddings().weight.shape[0], draft_vocab)
             draft = StreamingSelfDrafter(model, sink=sink, window=window, gamma=gamma,
-                                         compile=compile_setting(compile, ref.device))
+                                         compile=compile_setting(compile, ref.device), vocab=vocab)
+            draft_vocab = None  # applied
         elif isinstance(draft, DraftHead):
             check_compatible(draft.config, model.config)
             draft = draft.to(device=ref.device, dtype=ref.dtype).attach_target(model)
@@ -304,6 +313,12 @@ class SpeculativeGenerator:
                                       compile=compile_setting(compile, ref.device))
         elif isinstance(draft, (str, Path)):
             draft = load_head(draft, target=model, device=ref.device, dtype=ref.dtype)
+        if draft_vocab is not None:
+            if not isinstance(draft, DraftHead):
+                raise ValueError("draft_vocab applies to a head or to 'self', not to "
+                                 f"{getattr(draft, 'name', type(draft).__name__)}")
+            draft = draft.pruned(assistant_token_counts(tokenizer, default_corpus(), draft.config.vocab_size),
+                                 draft_vocab)
         return cls(model, draft, tokenizer, tree, runner=runner, compile=compile, hybrid=hybrid,
                    lookup_tokens=lookup_tokens, draft_kv=draft_kv, sink=sink, window=window, depth=depth,
                    top_k=top_k, total_tokens=total_tokens)

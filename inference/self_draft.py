@@ -15,6 +15,11 @@ The draft step's shape never changes while a batch decodes: when rows finish, th
 size (the rows still alive first, the last of them repeated after), so with `compile` (the step is one
 torch.compile graph) no row leaving costs a recompile; a draft step over a constant-size KV costs about the same
 for 4 rows as for 8 (it reads the weights once either way).
+
+`vocab` (optional): the target ids the draft may propose, e.g. the N most frequent (draft_vocab.frequent_tokens).
+Then a draft step computes its logits over those rows of the lm_head only; with SmolLM2's 49k-row lm_head tied to
+its embedding, that is a fifth of the weights each draft step reads. The output stays lossless: the full target
+still verifies (greedy), and the draft's q is its own distribution over those tokens (sampling).
 """
 
 from __future__ import annotations
@@ -40,10 +45,21 @@ class StreamingSelfDrafter:
     name = "self"
     feature_layers: list[int] = []
 
-    def __init__(self, model: nn.Module, sink: int = 4, window: int = 512, gamma: int = 3, compile: bool = False):
+    def __init__(self, model: nn.Module, sink: int = 4, window: int = 512, gamma: int = 3, compile: bool = False,
+                 vocab: torch.Tensor | None = None):
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
         self.model = model
+        self.vocab = self.vocab_weight = None
+        if vocab is not None:  # the lm_head rows of the tokens the draft may propose, one contiguous copy
+            lm_head = model.get_output_embeddings()
+            size = lm_head.weight.shape[0]
+            if vocab.ndim != 1 or len(vocab) == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= size:
+                raise ValueError(f"vocab must be a 1-D tensor of target ids in 0..{size - 1}")
+            if getattr(lm_head, "bias", None) is not None:
+                raise ValueError("a draft vocabulary needs an lm_head without bias")
+            self.vocab = vocab.to(lm_head.weight.device, torch.long)
+            self.vocab_weight = lm_head.weight.detach()[self.vocab].contiguous()  # (K, H)
         # the draft buffers' guards are skipped (compile_step's `unguarded`; ~0.25 ms a draft token at 8 rows): each
         # batch size has its own buffers for the drafter's life (begin), and its own graph (the tokens' shape)
         self._step = (compile_step(self._draft_step, next(model.parameters()).device, name="self_draft",
@@ -110,12 +126,18 @@ class StreamingSelfDrafter:
     def _draft_step(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
                     kv_length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft token per row (B, 1) over the draft buffers, at the slot the cache's length points to.
-        Returns (last logits (B, V), their argmax (B, 1)). The compiled graph when compile is on."""
-        out = self.model(input_ids=tokens, position_ids=position_ids, attention_mask=mask,
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1,
-                         **kv_length_kwargs(self.model, kv_length))
-        logits = out.logits[:, -1]
-        return logits, logits.argmax(dim=-1, keepdim=True)
+        Returns (last logits (B, V), their argmax (B, 1)); with a draft vocabulary the logits outside it are -inf.
+        The compiled graph when compile is on."""
+        inputs = dict(input_ids=tokens, position_ids=position_ids, attention_mask=mask, past_key_values=self.cache,
+                      use_cache=True, **kv_length_kwargs(self.model, kv_length))
+        if self.vocab is None:
+            logits = self.model(**inputs, logits_to_keep=1).logits[:, -1]
+            return logits, logits.argmax(dim=-1, keepdim=True)
+        hidden = self.model.get_decoder()(**inputs).last_hidden_state[:, -1]  # (B, H), after the final norm
+        kept = hidden @ self.vocab_weight.T  # (B, K)
+        logits = kept.new_full((kept.shape[0], self.model.get_output_embeddings().weight.shape[0]), float("-inf"))
+        logits.index_copy_(1, self.vocab, kept)
+        return logits, self.vocab[kept.argmax(dim=-1)].unsqueeze(1)
 
     @torch.inference_mode()
     def propose(self, roots: torch.Tensor, params: SamplingParams,

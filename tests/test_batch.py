@@ -37,7 +37,8 @@ def row_prompts(vocab: int, seed: int = 0) -> list[torch.Tensor]:
 
 
 def generators(target, window: int = 4) -> dict[str, SpeculativeGenerator]:
-    """Every batched method on one target: plain, head trees (full and windowed KV), self-speculation."""
+    """Every batched method on one target: plain, head trees (full and windowed KV), self-speculation (with the
+    target's whole vocabulary and with a draft vocabulary)."""
     oracle = oracle_head(target).attach_target(target)
     return {
         "plain": SpeculativeGenerator(target, None, tree="none"),
@@ -46,6 +47,9 @@ def generators(target, window: int = 4) -> dict[str, SpeculativeGenerator]:
         "head_window": SpeculativeGenerator(target, oracle, tree=TREES["deep"], draft_kv="streaming", sink=2,
                                             window=window),
         "self": SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=2, window=window, gamma=3)),
+        # the self-draft proposing only even token ids: its drafts of odd tokens are always rejected
+        "self_vocab": SpeculativeGenerator(target, StreamingSelfDrafter(
+            target, sink=2, window=window, gamma=3, vocab=torch.arange(0, target.config.vocab_size, 2))),
     }
 
 
@@ -199,6 +203,8 @@ def test_batch_sampling_follows_the_target_per_row():
     laws = [first_two_law(target, r, params) for r in rows]
     draws = 2000
     for gen in (SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=1, window=2, gamma=2)),
+                SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=1, window=2, gamma=2,
+                                                                  vocab=torch.tensor([2, 3, 5, 6, 8, 9, 11, 12, 14]))),
                 SpeculativeGenerator(target, oracle_head(target).attach_target(target), tree=TREES["wide"])):
         g = torch.Generator().manual_seed(4)
         counts = [{} for _ in rows]
@@ -305,3 +311,33 @@ def test_verify_cost_script_times_every_size():
     times = module.measure(runner, batch=2, context=20, queries=[1, 3], rounds=2)
     assert sorted(times) == [1, 3] and all(len(t) == 2 and min(t) > 0 for t in times.values())
     assert runner.length.tolist() == [20, 20]  # verify steps only: nothing committed
+
+
+def test_self_draft_vocabulary_drafts_only_its_tokens():
+    """A self-draft with a draft vocabulary proposes only those target ids, greedy (its best among them) and
+    sampled (q is zero outside them), and refuses ids outside the target's vocabulary."""
+    target = near_bigram_target("llama")
+    vocab = torch.arange(1, target.config.vocab_size, 3)
+
+    class Recording(StreamingSelfDrafter):
+        def propose(self, roots, params, generator=None):
+            tree = super().propose(roots, params, generator)
+            self.trees.append(tree)
+            return tree
+
+    drafter = Recording(target, sink=2, window=4, gamma=3, vocab=vocab)
+    drafter.trees = []
+    gen = SpeculativeGenerator(target, drafter)
+    ids, mask = left_padded(row_prompts(target.config.vocab_size, seed=5))
+    gen.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[])
+    gen.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[], temperature=1.0,
+                 generator=torch.Generator().manual_seed(0))
+    drafted = torch.cat([t.tokens[:, 1:].flatten() for t in drafter.trees])
+    assert len(drafted) > 50 and torch.isin(drafted, vocab).all()
+    sampled = [t.q[:, 1:] for t in drafter.trees if getattr(t, "q", None) is not None]
+    outside = torch.ones(target.config.vocab_size, dtype=torch.bool)
+    outside[vocab] = False
+    assert sampled and all(float(q[..., outside].sum()) == 0 for q in sampled)
+    for bad in (torch.tensor([0, target.config.vocab_size]), torch.tensor([], dtype=torch.long)):
+        with pytest.raises(ValueError, match="vocab must be a 1-D tensor of target ids"):
+            StreamingSelfDrafter(target, vocab=bad)

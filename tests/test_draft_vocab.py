@@ -150,3 +150,21 @@ def test_bench_draft_vocab_auto(tmp_path):
     assert names[:3] == ["plain", "engine_plain", "speculative_chain"]
     assert ("speculative_full_vocab" in names) == (trial["chosen"] != 200)
     assert result["greedy_match"] == 1.0
+
+
+def test_from_pretrained_draft_vocab(tmp_path, tiny_target_dir, sharegpt_path):
+    """from_pretrained(..., draft_vocab=N): the self-draft proposes the N tokens ShareGPT's assistant turns use
+    most, a head is pruned to N rows; other drafters refuse it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from inference.draft_vocab import frequent_tokens
+
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    gen = SpeculativeGenerator.from_pretrained(tiny_target_dir, "self", draft_kv="streaming", window=8, draft_vocab=40)
+    assert torch.equal(gen.drafter.vocab, frequent_tokens(tok, 320, 40, sharegpt_path))
+    assert gen.drafter.vocab_weight.shape == (40, 64)
+    save_head(tiny_head(AutoModelForCausalLM.from_pretrained(tiny_target_dir), draft_vocab_size=200), tmp_path / "h")
+    gen = SpeculativeGenerator.from_pretrained(tiny_target_dir, tmp_path / "h", draft_vocab=30)
+    assert gen.head.config.draft_vocab_size == 30 and gen.head.lm_head.weight.shape[0] == 30
+    with pytest.raises(ValueError, match="draft_vocab applies to a head or to 'self', not to prompt_lookup"):
+        SpeculativeGenerator.from_pretrained(tiny_target_dir, "prompt-lookup", draft_vocab=10)
