@@ -35,11 +35,11 @@ from .batch import Request, decode_batch
 from .batch_head import BatchHeadDrafter
 from .batch_runner import BatchRunner
 from .batch_tree import PlainBatchDrafter
+from .draft_vocab import frequent_tokens
 from .engine import GenerationStats, Stopper
 from .loading import load_causal_lm
 from .long_context import long_prompts
 from .sampling import SamplingParams
-from .draft_vocab import frequent_tokens
 from .self_draft import StreamingSelfDrafter
 from .static_runner import compile_setting
 from .tree import tree_options
