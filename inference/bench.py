@@ -524,8 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-pld", action="store_true", help="skip the prompt_lookup (transformers) method")
     p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens")
     p.add_argument("--draft-vocab", type=parse_draft_vocab, default=None,
-                   help="prune the head's draft vocabulary to its N most frequent tokens first (inference.draft_vocab); "
-                        "auto: measure a few sizes (and the unpruned head) on the chosen tree and keep the fastest")
+                   help="prune the head's draft vocabulary to its N most frequent tokens first "
+                        "(inference.draft_vocab); auto: measure a few sizes (and the unpruned head) on the chosen tree "
+                        "and keep the fastest")
     p.add_argument("--vocab-sizes", type=lambda v: tuple(int(x) for x in v.split(",") if x.strip()),
                    default=AUTO_SIZES, help="with --draft-vocab auto: the pruned sizes tried besides the unpruned head "
                    f"(default {','.join(map(str, AUTO_SIZES))})")

@@ -303,7 +303,6 @@ class SpeculativeGenerator:
                 tokenizer, model.get_output_embeddings().weight.shape[0], draft_vocab)
             draft = StreamingSelfDrafter(model, sink=sink, window=window, gamma=gamma,
                                          compile=compile_setting(compile, ref.device), vocab=vocab)
-            draft_vocab = None  # applied
         elif isinstance(draft, DraftHead):
             check_compatible(draft.config, model.config)
             draft = draft.to(device=ref.device, dtype=ref.dtype).attach_target(model)
@@ -313,10 +312,10 @@ class SpeculativeGenerator:
                                       compile=compile_setting(compile, ref.device))
         elif isinstance(draft, (str, Path)):
             draft = load_head(draft, target=model, device=ref.device, dtype=ref.dtype)
-        if draft_vocab is not None:
-            if not isinstance(draft, DraftHead):
-                raise ValueError("draft_vocab applies to a head or to 'self', not to "
-                                 f"{getattr(draft, 'name', type(draft).__name__)}")
+        if draft_vocab is not None and not (isinstance(draft, DraftHead) or getattr(draft, "vocab", None) is not None):
+            raise ValueError("draft_vocab applies to a head or to 'self', not to "
+                             f"{getattr(draft, 'name', type(draft).__name__)}")
+        if draft_vocab is not None and isinstance(draft, DraftHead):
             draft = draft.pruned(assistant_token_counts(tokenizer, default_corpus(), draft.config.vocab_size),
                                  draft_vocab)
         return cls(model, draft, tokenizer, tree, runner=runner, compile=compile, hybrid=hybrid,
