@@ -126,7 +126,7 @@ class StreamingSelfDrafter:
     def _draft_step(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
                     kv_length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft token per row (B, 1) over the draft buffers, at the slot the cache's length points to.
-        Returns (last logits (B, V), their argmax (B, 1)); with a draft vocabulary the logits outside it are -inf.
+        Returns (last logits (B, V), or (B, K) over a draft vocabulary of K ids; the greedy target ids (B, 1)).
         The compiled graph when compile is on."""
         inputs = dict(input_ids=tokens, position_ids=position_ids, attention_mask=mask, past_key_values=self.cache,
                       use_cache=True, **kv_length_kwargs(self.model, kv_length))
@@ -135,9 +135,7 @@ class StreamingSelfDrafter:
             return logits, logits.argmax(dim=-1, keepdim=True)
         hidden = self.model.get_decoder()(**inputs).last_hidden_state[:, -1]  # (B, H), after the final norm
         kept = hidden @ self.vocab_weight.T  # (B, K)
-        logits = kept.new_full((kept.shape[0], self.model.get_output_embeddings().weight.shape[0]), float("-inf"))
-        logits.index_copy_(1, self.vocab, kept)
-        return logits, self.vocab[kept.argmax(dim=-1)].unsqueeze(1)
+        return kept, self.vocab[kept.argmax(dim=-1)].unsqueeze(1)
 
     @torch.inference_mode()
     def propose(self, roots: torch.Tensor, params: SamplingParams,
@@ -160,6 +158,9 @@ class StreamingSelfDrafter:
             if first:
                 self.compile_s[full] = time.perf_counter() - start
             if params.do_sample:
+                if self.vocab is not None:  # the draft's own law: zero outside its vocabulary
+                    logits = logits.new_full((full, self.model.get_output_embeddings().weight.shape[0]),
+                                             float("-inf")).index_copy_(1, self.vocab, logits)
                 q = target_probs(logits, params)  # (B, V)
                 tokens = torch.multinomial(q, 1, generator=generator)
                 qs.append(q[:b])
