@@ -312,12 +312,12 @@ class SpeculativeGenerator:
                                       compile=compile_setting(compile, ref.device))
         elif isinstance(draft, (str, Path)):
             draft = load_head(draft, target=model, device=ref.device, dtype=ref.dtype)
-        if draft_vocab is not None and not (isinstance(draft, DraftHead) or getattr(draft, "vocab", None) is not None):
-            raise ValueError("draft_vocab applies to a head or to 'self', not to "
-                             f"{getattr(draft, 'name', type(draft).__name__)}")
         if draft_vocab is not None and isinstance(draft, DraftHead):
             draft = draft.pruned(assistant_token_counts(tokenizer, default_corpus(), draft.config.vocab_size),
                                  draft_vocab)
+        elif draft_vocab is not None and not (isinstance(draft, StreamingSelfDrafter) and draft.vocab is not None):
+            raise ValueError("draft_vocab applies to a head or to 'self', not to "
+                             f"{getattr(draft, 'name', type(draft).__name__)}")
         return cls(model, draft, tokenizer, tree, runner=runner, compile=compile, hybrid=hybrid,
                    lookup_tokens=lookup_tokens, draft_kv=draft_kv, sink=sink, window=window, depth=depth,
                    top_k=top_k, total_tokens=total_tokens)

@@ -50,12 +50,12 @@ class StreamingSelfDrafter:
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
         self.model = model
+        lm_head = model.get_output_embeddings()
+        self.vocab_size = lm_head.weight.shape[0]  # the target's
         self.vocab = self.vocab_weight = None
         if vocab is not None:  # the lm_head rows of the tokens the draft may propose, one contiguous copy
-            lm_head = model.get_output_embeddings()
-            size = lm_head.weight.shape[0]
-            if vocab.ndim != 1 or len(vocab) == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= size:
-                raise ValueError(f"vocab must be a 1-D tensor of target ids in 0..{size - 1}")
+            if vocab.ndim != 1 or len(vocab) == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= self.vocab_size:
+                raise ValueError(f"vocab must be a 1-D tensor of target ids in 0..{self.vocab_size - 1}")
             if getattr(lm_head, "bias", None) is not None:
                 raise ValueError("a draft vocabulary needs an lm_head without bias")
             self.vocab = vocab.to(lm_head.weight.device, torch.long)
@@ -159,8 +159,8 @@ class StreamingSelfDrafter:
                 self.compile_s[full] = time.perf_counter() - start
             if params.do_sample:
                 if self.vocab is not None:  # the draft's own law: zero outside its vocabulary
-                    logits = logits.new_full((full, self.model.get_output_embeddings().weight.shape[0]),
-                                             float("-inf")).index_copy_(1, self.vocab, logits)
+                    logits = logits.new_full((full, self.vocab_size), float("-inf")).index_copy_(1, self.vocab,
+                                                                                                   logits)
                 q = target_probs(logits, params)  # (B, V)
                 tokens = torch.multinomial(q, 1, generator=generator)
                 qs.append(q[:b])
