@@ -15,7 +15,7 @@ from .config import HeadConfig
 from .format import CONFIG_NAME, FROZEN_PREFIXES, NATIVE_KEY, WEIGHTS_METADATA, WEIGHTS_NAME, native_tensor_names, \
     text_config
 from .model import DraftHead
-from .utils import SAFETENSORS_DTYPES, atomic_save_safetensors, atomic_write_json
+from .utils import SAFETENSORS_DTYPES, atomic_save_safetensors, atomic_write_json, place_module
 
 
 class HeadMismatchError(ValueError):
@@ -94,7 +94,7 @@ def load_head(
     missing = [k for k in missing if not k.startswith(FROZEN_PREFIXES)]
     if missing or unexpected:
         raise ValueError(f"{path / WEIGHTS_NAME}: missing tensors {missing}, unexpected tensors {unexpected}")
-    head.to(device=device, dtype=dtype)
+    place_module(head, device, dtype)
     if target is not None:
         head.attach_target(target)
     return head

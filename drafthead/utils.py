@@ -75,6 +75,33 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return DTYPES[name]
 
 
+def rotary_frequencies(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's rotary-embedding frequency buffers (names ending in `inv_freq`), by name. transformers builds
+    them in float32 whatever dtype it loads a model in, and its rotary embedding computes the angles in float32."""
+    return {name: buffer for name, buffer in module.named_buffers() if name.endswith("inv_freq")}
+
+
+def restore_rotary_frequencies(module: torch.nn.Module, frequencies: dict[str, torch.Tensor]) -> None:
+    """Put back buffers saved by rotary_frequencies (in their own dtype, on the module's current device) after
+    something cast the whole module: `Module.to(bf16)`, or DeepSpeed's bf16 mode. A bf16 copy shifts every rotary
+    angle by up to ~0.4 % (whole turns at 8k positions), so the model would no longer be the one
+    `from_pretrained(..., dtype=bf16)` returns, nor a head the one its training features were made with."""
+    for name, buffer in frequencies.items():
+        owner, _, attribute = name.rpartition(".")
+        owner = module.get_submodule(owner)
+        setattr(owner, attribute, buffer.to(getattr(owner, attribute).device))
+
+
+def place_module(module: torch.nn.Module, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """module.to(device, dtype), except that rotary-embedding frequency buffers keep their own dtype (see
+    restore_rotary_frequencies). Returns the module."""
+    frequencies = rotary_frequencies(module)
+    module.to(device=device, dtype=dtype)
+    restore_rotary_frequencies(module, frequencies)
+    return module
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """A torch dtype -> its name without the module, e.g. 'bfloat16' (what configs and manifests record)."""
     return str(dtype).removeprefix("torch.")

@@ -30,6 +30,7 @@ import torch
 
 from drafthead import load_head
 from drafthead.hardware import cpu_flags, resolve_dtype
+from drafthead.utils import place_module
 
 from .batch import Request, decode_batch
 from .batch_head import BatchHeadDrafter
@@ -189,7 +190,7 @@ def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     model, tokenizer = load_causal_lm(args.target, dtype)
-    model = model.to(device=device, dtype=dtype).eval()
+    model = place_module(model, device, dtype).eval()
     head = load_head(args.draft, target=model, device=device, dtype=dtype) if args.draft else None
     # the self-draft's step and the target's verify steps (one graph per batch and tree size)
     args.compile = compile_setting(args.compile, device)

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from drafthead.masks import causal_allowed
+from drafthead.utils import place_module
 
 from .drafter import chain_tree
 from .loading import load_causal_lm
@@ -55,7 +56,7 @@ def load_draft_model(source: str | Path | nn.Module, target: nn.Module, target_t
     TokenizerMismatchError when its tokenizer differs from the target's."""
     ref = next(target.parameters())
     model, tokenizer = load_causal_lm(source, ref.dtype)
-    model = model.to(device=ref.device, dtype=ref.dtype).eval()
+    model = place_module(model, ref.device, ref.dtype).eval()
     check_same_tokenizer(model, target, tokenizer, target_tokenizer)
     return model
 

@@ -27,7 +27,7 @@ import torch.nn as nn
 from drafthead import DraftHead, check_compatible, load_head
 from drafthead.format import CONFIG_NAME, is_head_config
 from drafthead.hardware import synchronizer
-from drafthead.utils import parse_dtype
+from drafthead.utils import parse_dtype, place_module
 from drafthead.masks import causal_allowed
 
 from .batch import decode_batch
@@ -289,7 +289,7 @@ class SpeculativeGenerator:
         the self-draft computes only those rows of the target's lm_head); output stays lossless."""
         dtype = parse_dtype(dtype)
         model, tokenizer = load_causal_lm(target, dtype, tokenizer)
-        model = model.to(device=device, dtype=dtype).eval()
+        model = place_module(model, device, dtype).eval()
         ref = next(model.parameters())
         if draft_vocab is not None and tokenizer is None:
             raise ValueError("draft_vocab counts tokens with the target's tokenizer: pass tokenizer=")
@@ -305,7 +305,7 @@ class SpeculativeGenerator:
                                          compile=compile_setting(compile, ref.device), vocab=vocab)
         elif isinstance(draft, DraftHead):
             check_compatible(draft.config, model.config)
-            draft = draft.to(device=ref.device, dtype=ref.dtype).attach_target(model)
+            draft = place_module(draft, ref.device, ref.dtype).attach_target(model)
         elif isinstance(draft, nn.Module) or (isinstance(draft, (str, Path)) and not is_head_folder(draft)):
             vocab = model.config.get_text_config(decoder=True).vocab_size
             draft = DraftModelDrafter(load_draft_model(draft, model, tokenizer), vocab, gamma=gamma, runner=runner,

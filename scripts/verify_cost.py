@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from drafthead.hardware import cpu_flags, resolve_dtype, synchronizer  # noqa: E402
 from drafthead.paths import cache_dir  # noqa: E402
-from drafthead.utils import atomic_write_json  # noqa: E402
+from drafthead.utils import atomic_write_json, place_module  # noqa: E402
 from inference.batch_runner import BatchRunner  # noqa: E402
 from inference.loading import load_causal_lm  # noqa: E402
 from inference.static_runner import compile_setting  # noqa: E402
@@ -78,7 +78,7 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     model, _ = load_causal_lm(args.target, dtype)
-    model = model.to(device=device, dtype=dtype).eval()
+    model = place_module(model, device, dtype).eval()
     queries = sorted({1, *(int(x) for x in args.queries.split(","))})  # ratios are to one token per row
     compile = compile_setting(args.compile, device)
     times = measure(BatchRunner(model, [], compile=compile), args.batch_size, args.context, queries, args.rounds)

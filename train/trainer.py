@@ -28,7 +28,7 @@ from accelerate.utils import InitProcessGroupKwargs, set_seed
 from drafthead import DraftHead, HeadConfig
 from drafthead.checkpoint import load_head
 from drafthead.config import default_aux_layer_ids
-from drafthead.utils import atomic_write_json, mixed_precision
+from drafthead.utils import atomic_write_json, mixed_precision, restore_rotary_frequencies, rotary_frequencies
 from drafthead.vocab import build_draft_vocab, full_vocab, token_frequencies
 from train.batches import PreparedSequences, collate, epoch_batches, rank_batches, with_online_features
 from train.evaluate import evaluate
@@ -188,7 +188,9 @@ class Trainer:
         if plugin is not None:  # fill what accelerate cannot infer (we feed our own per-rank batches)
             plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = config.batch_size or 1
             plugin.deepspeed_config["gradient_clipping"] = config.max_grad_norm
+        frequencies = rotary_frequencies(module)  # DeepSpeed's bf16 mode casts buffers too: keep the head's RoPE
         self.model, self.optimizer = acc.prepare(module, optimizer)
+        restore_rotary_frequencies(acc.unwrap_model(self.model), frequencies)
         self.head = acc.unwrap_model(self.model).head
         self.engine = type(self.model).__name__
         self._check_engine()
@@ -452,6 +454,7 @@ class DebugReport:
                   "mixed_precision": acc.mixed_precision, "device": str(self.device), "seen": self.seen,
                   "param_sums": self.param_sums(), "initial_param_sums": self.initial_param_sums,
                   "d2t_checksum": checksum(t.head.d2t) if t.head.eagle3 else None,
+                  "rotary_dtypes": {n: str(b.dtype) for n, b in rotary_frequencies(t.head).items()},
                   "peak_rss_mb": _peak_rss_mb(), "steps": self.steps, "config": asdict(t.config)}
         if self.device.type == "cuda":
             report["peak_cuda_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
