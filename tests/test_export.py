@@ -215,9 +215,11 @@ def test_cli_exports_and_refuses_overwrite(tmp_path, capsys):
 def test_export_smollm2_head_loads_on_the_real_target(smollm2, tmp_path):
     """A SmolLM2-shaped EAGLE-3 head (draft vocab 32000) exports, validates and reloads against the real target."""
     from drafthead import DraftHead, HeadConfig
+    from drafthead.utils import place_module
 
     config = HeadConfig.from_target_config(smollm2.config, kind="eagle3", draft_vocab_size=32000)
-    head = DraftHead(config).to(torch.bfloat16).attach_target(smollm2)
+    # placed as load_head places it (the rotary frequencies stay float32)
+    head = place_module(DraftHead(config), dtype=torch.bfloat16).attach_target(smollm2)
     head.t2d.fill_(True)  # a t2d that disagrees with d2t must not be published
     with pytest.raises(ExportValidationError, match="inconsistent with t2d"):
         export_head(head, tmp_path / "serving")
