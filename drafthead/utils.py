@@ -81,24 +81,18 @@ def rotary_frequencies(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: buffer for name, buffer in module.named_buffers() if name.endswith("inv_freq")}
 
 
-def restore_rotary_frequencies(module: torch.nn.Module, frequencies: dict[str, torch.Tensor]) -> None:
-    """Put back buffers saved by rotary_frequencies (in their own dtype, on the module's current device) after
-    something cast the whole module: `Module.to(bf16)`, or DeepSpeed's bf16 mode. A bf16 copy shifts every rotary
-    angle by up to ~0.4 % (whole turns at 8k positions), so the model would no longer be the one
-    `from_pretrained(..., dtype=bf16)` returns, nor a head the one its training features were made with."""
+def place_module(module: torch.nn.Module, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """module.to(device, dtype), except that rotary-embedding frequency buffers keep their own dtype. `Module.to(bf16)`
+    would round them, shifting every rotary angle by up to ~0.4 % (whole turns at 8k positions): the model would no
+    longer be the one `from_pretrained(..., dtype=bf16)` returns, nor a head the one its training computed (the
+    trainer's DeepSpeed bf16 mode casts parameters only). Returns the module."""
+    frequencies = rotary_frequencies(module)
+    module.to(device=device, dtype=dtype)
     for name, buffer in frequencies.items():
         owner, _, attribute = name.rpartition(".")
         owner = module.get_submodule(owner)
         setattr(owner, attribute, buffer.to(getattr(owner, attribute).device))
-
-
-def place_module(module: torch.nn.Module, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """module.to(device, dtype), except that rotary-embedding frequency buffers keep their own dtype (see
-    restore_rotary_frequencies). Returns the module."""
-    frequencies = rotary_frequencies(module)
-    module.to(device=device, dtype=dtype)
-    restore_rotary_frequencies(module, frequencies)
     return module
 
 

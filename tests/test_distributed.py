@@ -62,7 +62,7 @@ def test_ranks_synchronise(tmp_path, stage, precision):
     assert ranks[0]["param_sums"] == ranks[1]["param_sums"]
     assert ranks[0]["initial_param_sums"] == ranks[1]["initial_param_sums"]
     assert ranks[0]["d2t_checksum"] is not None and ranks[0]["d2t_checksum"] == ranks[1]["d2t_checksum"]
-    # DeepSpeed's bf16 mode casts the module's buffers too: the head's RoPE frequencies were put back in float32
+    # the head trains with float32 RoPE frequencies, as the engine runs it (DeepSpeed's bf16 mode casts parameters only)
     assert ranks[0]["rotary_dtypes"] and set(ranks[0]["rotary_dtypes"].values()) == {"torch.float32"}
     moved = [n for n, v in ranks[0]["param_sums"].items() if v != ranks[0]["initial_param_sums"][n]]
     assert len(moved) == len(ranks[0]["param_sums"]), "every trainable tensor must have been updated"

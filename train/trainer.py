@@ -28,7 +28,7 @@ from accelerate.utils import InitProcessGroupKwargs, set_seed
 from drafthead import DraftHead, HeadConfig
 from drafthead.checkpoint import load_head
 from drafthead.config import default_aux_layer_ids
-from drafthead.utils import atomic_write_json, mixed_precision, restore_rotary_frequencies, rotary_frequencies
+from drafthead.utils import atomic_write_json, mixed_precision, rotary_frequencies
 from drafthead.vocab import build_draft_vocab, full_vocab, token_frequencies
 from train.batches import PreparedSequences, collate, epoch_batches, rank_batches, with_online_features
 from train.evaluate import evaluate
@@ -188,9 +188,7 @@ class Trainer:
         if plugin is not None:  # fill what accelerate cannot infer (we feed our own per-rank batches)
             plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = config.batch_size or 1
             plugin.deepspeed_config["gradient_clipping"] = config.max_grad_norm
-        frequencies = rotary_frequencies(module)  # DeepSpeed's bf16 mode casts buffers too: keep the head's RoPE
         self.model, self.optimizer = acc.prepare(module, optimizer)
-        restore_rotary_frequencies(acc.unwrap_model(self.model), frequencies)
         self.head = acc.unwrap_model(self.model).head
         self.engine = type(self.model).__name__
         self._check_engine()
