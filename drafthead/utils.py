@@ -90,8 +90,8 @@ def place_module(module: torch.nn.Module, device: str | torch.device | None = No
     frequencies = rotary_frequencies(module)
     module.to(device=device, dtype=dtype)
     for name, buffer in frequencies.items():
-        owner, _, attribute = name.rpartition(".")
-        owner = module.get_submodule(owner)
+        path, _, attribute = name.rpartition(".")
+        owner = module.get_submodule(path)
         setattr(owner, attribute, buffer.to(getattr(owner, attribute).device))
     return module
 
