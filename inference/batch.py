@@ -23,7 +23,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .batch_runner import BatchRunner
-from .batch_tree import BatchDrafter
+from .batch_switch import SpeculationSwitch
+from .batch_tree import BatchDrafter, BatchTree
 from .sampling import SamplingParams, pick_next, target_probs
 from .verify import verify_greedy, verify_sampling
 
@@ -44,12 +45,16 @@ class Request:
 def decode_batch(runner: BatchRunner, drafter: BatchDrafter, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  params: SamplingParams, stoppers: list[Any], generator: torch.Generator | None,
                  stats: Any, sync: Callable[[], None], prefilled: tuple | None = None,
-                 waiting: Iterator[Request] | None = None) -> list[list[int]]:
+                 waiting: Iterator[Request] | None = None, switch: SpeculationSwitch | None = None) -> list[list[int]]:
     """Decode every row of left-padded `input_ids` (B, T) until its stopper says so, then each `waiting` request in
     the first row that frees up. Returns the new tokens of each row, then of each admitted request in admission
     order; fills `stats` (per-row accepted lengths and steps, draft and verify time, admit_time_s,
     prefill_time_s). `prefilled`: the (logits, features) of runner.prefill() already run on these rows (a
-    benchmark reusing one prefill)."""
+    benchmark reusing one prefill). `switch`: speculate only on the steps where it pays, taking plain steps (every
+    row's root verified alone) on the others (batch_switch.py; the drafter's skip() keeps it in step); counted in
+    stats.plain_steps."""
+    if switch is not None:
+        switch.reset()
     t0 = time.perf_counter()
     logits, features = prefilled if prefilled is not None else runner.prefill(input_ids, attention_mask)
     roots = pick_next(logits, params, generator)  # (B,)
@@ -104,7 +109,13 @@ def decode_batch(runner: BatchRunner, drafter: BatchDrafter, input_ids: torch.Te
             drafter.keep_rows(index)
             rows, roots, done = [rows[k] for k in alive], roots[index], [False] * len(alive)
         t0 = time.perf_counter()
-        tree = drafter.propose(roots, params, generator)
+        live = [rows[k] for k in range(len(rows)) if not done[k]]  # the requests of the rows still decoding
+        speculate = switch is None or switch.speculate(live)
+        if speculate:
+            tree = drafter.propose(roots, params, generator)
+        else:
+            drafter.skip(roots)
+            tree = BatchTree.chain(roots)
         sync()
         t1 = time.perf_counter()
         logits, features, greedy = runner.verify(tree.tokens, tree.depths, tree.ancestors)
@@ -129,4 +140,7 @@ def decode_batch(runner: BatchRunner, drafter: BatchDrafter, input_ids: torch.Te
             stats.rows_steps[row] += not d
         stats.draft_time_s += t1 - t0
         stats.verify_time_s += time.perf_counter() - t1
+        if switch is not None:
+            switch.record(speculate, live, time.perf_counter() - t0, [len(b) for b, d in zip(batches, done) if not d])
+            stats.plain_steps += not speculate
     return new

@@ -35,6 +35,7 @@ from drafthead.utils import place_module
 from .batch import Request, decode_batch
 from .batch_head import BatchHeadDrafter
 from .batch_runner import BatchRunner
+from .batch_switch import SpeculationSwitch
 from .batch_tree import PlainBatchDrafter
 from .draft_vocab import frequent_tokens
 from .engine import GenerationStats, Stopper
@@ -52,6 +53,9 @@ BATCH_METHODS = {
     "head": "EAGLE head trees, the head's KV over the whole context",
     "head_window": "EAGLE head trees, the head's KV windowed (sink + window)",
 }
+AUTO = "_auto"  # a method's name + this: the same drafter, speculating only on the steps where it pays
+BATCH_METHODS.update({name + AUTO: f"{name}, speculating only where its measured cost pays (batch_switch.py)"
+                      for name in ("self", "head", "head_window")})
 
 
 def peak_rss_reset() -> None:
@@ -87,7 +91,8 @@ def make_drafters(args, model, head, tokenizer=None) -> dict:
     if head is not None:
         drafters["head"] = BatchHeadDrafter(head, options)
         drafters["head_window"] = BatchHeadDrafter(head, options, sink=args.sink, window=args.window)
-    return {name: drafters[name] for name in args.batch_methods if name in drafters}
+    return {name: drafters[name.removesuffix(AUTO)] for name in args.batch_methods
+            if name.removesuffix(AUTO) in drafters}
 
 
 def prefill_rows(runner: BatchRunner, prompts: list[list[int]], room: int, group: int = 4) -> tuple[list[dict], float]:
@@ -124,7 +129,7 @@ def run_group(runner: BatchRunner, drafters: dict, rows: list[dict], max_new: in
     state = runner.snapshot()
     out = {}
 
-    def decode(drafter, new_tokens: int) -> tuple[list[list[int]], GenerationStats, float]:
+    def decode(name, drafter, new_tokens: int) -> tuple[list[list[int]], GenerationStats, float]:
         runner.restore(state)
         stats = GenerationStats()
         stoppers = [Stopper(set(), [], None, new_tokens) for _ in range(b)]
@@ -133,20 +138,21 @@ def run_group(runner: BatchRunner, drafters: dict, rows: list[dict], max_new: in
         t0 = time.perf_counter()
         with runner.session(), torch.inference_mode():
             new = decode_batch(runner, drafter, ids, mask, params, stoppers, None, stats, lambda: None,
-                               prefilled=prefilled, waiting=queue if waiting else None)
+                               prefilled=prefilled, waiting=queue if waiting else None,
+                               switch=SpeculationSwitch() if name.endswith(AUTO) else None)
         return new, stats, time.perf_counter() - t0
 
     for name, drafter in drafters.items():
         # warm-up: two steps (a compiled drafter compiles its step here), timed apart from the decode
-        out[name] = dict(warmup_s=decode(drafter, 2 * drafter.tree_size)[2], runs=[])  # (admissions too)
+        out[name] = dict(warmup_s=decode(name, drafter, 2 * drafter.tree_size)[2], runs=[])  # (admissions too)
     for _ in range(repeats):  # the methods take turns, so a slow spell of a shared machine hits them alike
         for name, drafter in drafters.items():
-            new, stats, total = decode(drafter, max_new)
+            new, stats, total = decode(name, drafter, max_new)
             out[name]["runs"].append(dict(rows=new, decode_s=total - stats.prefill_time_s,  # minus the begin
                                           begin_s=stats.prefill_time_s, steps=stats.target_forwards - 1,
                                           accept=stats.accept_lengths, rows_steps=stats.rows_steps,
                                           draft_s=stats.draft_time_s, admit_s=stats.admit_time_s,
-                                          verify_s=stats.verify_time_s))
+                                          verify_s=stats.verify_time_s, plain_steps=stats.plain_steps))
     for result in out.values():  # the run of median decode time stands for the method (greedy: same tokens)
         runs = sorted(result.pop("runs"), key=lambda r: r["decode_s"])
         result.update(runs[(len(runs) - 1) // 2], decode_s_runs=[round(r["decode_s"], 3) for r in runs])
@@ -168,6 +174,7 @@ def summarise_cell(groups: list[dict], names: list[str], b: int, context: int) -
                  # (continuous batching: the requests' steps shared among the batch's rows)
                  row_steps_mean=sum(sum(g["rows_steps"]) / b for g in runs),
                  admit_s=round(sum(g["admit_s"] for g in runs), 3),
+                 plain_steps=sum(g["plain_steps"] for g in runs),  # the _auto methods' steps without drafts
                  step_ms=1000 * decode_s / max(steps, 1),
                  draft_ms_per_step=1000 * sum(g["draft_s"] for g in runs) / max(steps, 1),
                  verify_ms_per_step=1000 * sum(g["verify_s"] for g in runs) / max(steps, 1),

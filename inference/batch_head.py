@@ -111,6 +111,11 @@ class BatchHeadDrafter:
         last, scores, tokens = self._feed(roots)
         return self._draft(roots, last, scores, tokens)
 
+    @torch.inference_mode()
+    def skip(self, roots: torch.Tensor) -> None:
+        """A plain step instead of a tree: the pending pairs are fed all the same (accept() brings the next ones)."""
+        self._feed(roots)
+
     def accept(self, paths: list[torch.Tensor], new_tokens: list[torch.Tensor], features: torch.Tensor) -> None:
         """Row i's pairs: the accepted nodes' true features, each with the token after it (the last: the root)."""
         device = features.device

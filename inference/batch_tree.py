@@ -9,6 +9,9 @@ runner's buffers (a self-speculative draft refreshes its own KV from them):
 
     drafter.begin(runner, input_ids, attention_mask, features)  after the target's prefill
     tree = drafter.propose(roots, params, generator)           roots (B,): each row's last emitted token
+    drafter.skip(roots)                                        instead of propose: a plain step (only the roots
+                                                               are verified; batch_switch.py), the drafter keeps
+                                                               up with the committed tokens
     drafter.accept(paths, new_tokens, features)                after the runner committed the accepted paths
     drafter.keep_rows(rows)                                    rows finished: keep only `rows` (indices)
     drafter.admit(row, runner, ids, features)                  row `row` holds a new prompt (ids (T,)) in the
@@ -77,6 +80,8 @@ class BatchDrafter(Protocol):
     def propose(self, roots: torch.Tensor, params: SamplingParams,
                 generator: torch.Generator | None = None) -> BatchTree: ...
 
+    def skip(self, roots: torch.Tensor) -> None: ...
+
     def accept(self, paths: list[torch.Tensor], new_tokens: list[torch.Tensor],
                features: torch.Tensor | None) -> None: ...
 
@@ -97,6 +102,9 @@ class PlainBatchDrafter:
 
     def propose(self, roots, params, generator=None) -> BatchTree:
         return BatchTree.chain(roots)
+
+    def skip(self, roots) -> None:
+        pass
 
     def accept(self, paths, new_tokens, features) -> None:
         pass

@@ -31,6 +31,7 @@ from drafthead.utils import parse_dtype, place_module
 from drafthead.masks import causal_allowed
 
 from .batch import decode_batch
+from .batch_switch import SpeculationSwitch
 from .batch_head import BatchHeadDrafter
 from .batch_runner import BatchRunner
 from .batch_tree import PlainBatchDrafter
@@ -70,6 +71,7 @@ class GenerationStats:
     admit_time_s: float = 0.0  # continuous batching: waiting requests loaded into freed rows
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0  # target forwards (prefill included) + verification + cache compaction
+    plain_steps: int = 0  # batch with speculate="auto": steps that verified every row's root alone
     total_time_s: float = 0.0
 
     def count(self, tree: DraftTree, path: torch.Tensor, origin_names: tuple[str, ...]) -> None:
@@ -156,6 +158,10 @@ class SpeculativeGenerator:
     plain greedy/sampled decoding on the same runner (the baseline that separates what the runner buys from what
     speculation buys).
 
+    speculate: "always", or "auto": batched decoding (B > 1, self-speculation, a streaming draft KV) speculates only
+    on the steps where its measured cost pays and takes plain steps on the others (batch_switch.py); or a
+    SpeculationSwitch of one's own. The output is the same either way.
+
     runner: "static" (preallocated KV buffers, fixed-shape verify buckets; static_runner.py), "eager" (any HF
     causal LM, DynamicCache; runner.py) or "auto" (static where the architecture allows, else eager with a one-line
     message), or a runner object to share (the benchmark shares one among its methods). compile: torch.compile
@@ -167,7 +173,7 @@ class SpeculativeGenerator:
     def __init__(self, target: nn.Module, draft: DraftHead | Drafter | None, tokenizer: Any = None,
                  tree: str | TreeOptions | None = "cpu", runner: Any = "auto", compile: bool | str = "auto",
                  hybrid: bool = False, lookup_tokens: int = 10, draft_kv: str = "full", sink: int = 4,
-                 window: int = 512, **tree_overrides: int | None):
+                 window: int = 512, speculate: str | SpeculationSwitch = "always", **tree_overrides: int | None):
         self.target = target.eval()
         self.tokenizer = tokenizer
         self.device = next(target.parameters()).device
@@ -214,6 +220,10 @@ class SpeculativeGenerator:
         if hybrid and not isinstance(self.drafter, HybridDrafter):
             raise ValueError("hybrid=True adds prompt lookup to a draft head; this draft is not a head")
         self.plain = isinstance(self.drafter, PlainDrafter)
+        if isinstance(speculate, str) and speculate not in ("always", "auto"):
+            raise ValueError(f"speculate must be 'always', 'auto' or a SpeculationSwitch, got {speculate!r}")
+        # batched decoding: speculate on every step, or only where it pays (batch_switch.py)
+        self.switch = SpeculationSwitch() if speculate == "auto" else None if speculate == "always" else speculate
 
     @property
     def batch_runner(self) -> BatchRunner:
@@ -276,6 +286,7 @@ class SpeculativeGenerator:
         sink: int = 4,
         window: int = 512,
         draft_vocab: int | None = None,
+        speculate: str = "always",
     ) -> "SpeculativeGenerator":
         """target: HF folder/name or a loaded causal LM. draft: a head folder (native or exported) or DraftHead;
         a smaller causal LM's folder (or model) sharing the target's tokenizer, drafting chains of `gamma` tokens;
@@ -286,7 +297,9 @@ class SpeculativeGenerator:
         drafthead.HeadMismatchError when a head was made for another target, TokenizerMismatchError when a draft
         model uses another tokenizer. draft_vocab=N: a head or the self-draft proposes only the N tokens that
         ShareGPT's assistant turns (the asset cache, draft_vocab.py) use most (a head's lm_head rows are pruned;
-        the self-draft computes only those rows of the target's lm_head); output stays lossless."""
+        the self-draft computes only those rows of the target's lm_head); output stays lossless. speculate="auto":
+        batched decoding (B > 1, self-speculation, a streaming draft KV) speculates only on the steps where its
+        measured cost pays, taking plain steps on the others (batch_switch.py); "always" speculates on every step."""
         dtype = parse_dtype(dtype)
         model, tokenizer = load_causal_lm(target, dtype, tokenizer)
         model = place_module(model, device, dtype).eval()
@@ -319,8 +332,8 @@ class SpeculativeGenerator:
             raise ValueError("draft_vocab applies to a head or to 'self', not to "
                              f"{getattr(draft, 'name', type(draft).__name__)}")
         return cls(model, draft, tokenizer, tree, runner=runner, compile=compile, hybrid=hybrid,
-                   lookup_tokens=lookup_tokens, draft_kv=draft_kv, sink=sink, window=window, depth=depth,
-                   top_k=top_k, total_tokens=total_tokens)
+                   lookup_tokens=lookup_tokens, draft_kv=draft_kv, sink=sink, window=window, speculate=speculate,
+                   depth=depth, top_k=top_k, total_tokens=total_tokens)
 
     @torch.inference_mode()
     def generate(
@@ -387,7 +400,7 @@ class SpeculativeGenerator:
         stats = GenerationStats()
         with runner.session():
             new = decode_batch(runner, self.batch_drafter, input_ids, attention_mask, params, stoppers, generator,
-                               stats, synchronizer(self.device))
+                               stats, synchronizer(self.device), switch=self.switch)
         stats.rows_new_tokens = [len(row) for row in new]
         stats.new_tokens = sum(stats.rows_new_tokens)
         stats.total_time_s = time.perf_counter() - t_start

@@ -169,6 +169,10 @@ class StreamingSelfDrafter:
             drafted.append(tokens[:b])
         return BatchTree.chain(roots, torch.cat(drafted, dim=1), torch.stack(qs, dim=1) if qs else None)
 
+    def skip(self, roots: torch.Tensor) -> None:
+        """A plain step instead of a draft: accept() then copies what it commits, from the positions as they are."""
+        self.drafted_from = self.runner.positions
+
     def accept(self, paths, new_tokens, features) -> None:
         """The runner has committed each row's accepted path: copy those entries into the draft buffers."""
         self._refresh(self.drafted_from, self.runner.positions)

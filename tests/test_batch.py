@@ -13,6 +13,7 @@ from tiny import tiny_model
 from inference import SamplingParams, SpeculativeGenerator
 from inference.attention import prefix_attention
 from inference.batch_runner import BatchRunner
+from inference.batch_switch import SpeculationSwitch
 from inference.self_draft import StreamingSelfDrafter
 from inference.slots import SlotMap
 
@@ -266,6 +267,8 @@ def test_batch_refusals():
         lookup.generate(ids, attention_mask=mask, max_new_tokens=2)
     with pytest.raises(ValueError, match="streaming"):
         SpeculativeGenerator.from_pretrained(target, "self")
+    with pytest.raises(ValueError, match="speculate must be"):
+        SpeculativeGenerator(target, None, tree="none", speculate="sometimes")
     with pytest.raises(NotImplementedError, match="static KV"):
         BatchRunner(tiny_model("mistral", sliding_window=8), [])
 
@@ -281,6 +284,7 @@ def test_grid_cell_methods_decode_the_same_rows():
     prompts = torch.randint(3, target.config.vocab_size, (4, 40), generator=g).tolist()
     runner = BatchRunner(target, [])
     drafters = {"plain": PlainBatchDrafter(), "self": StreamingSelfDrafter(target, sink=2, window=8, gamma=3)}
+    drafters["self_auto"] = drafters["self"]  # the same drafter with the switch (batch_switch.py)
     rows, _ = prefill_rows(runner, prompts, room=16 + 4)
     group = run_group(runner, drafters, rows, max_new=16, repeats=3)
     cell = summarise_cell([group], list(drafters), b=4, context=40)
@@ -288,12 +292,13 @@ def test_grid_cell_methods_decode_the_same_rows():
         assert len(m["decode_s_runs"]) == 3 and m["decode_s_runs"] == sorted(m["decode_s_runs"])
         assert m["decode_s"] == m["decode_s_runs"][1] and m["tokens"] == 4 * 16, name
     assert cell["methods"]["self"]["greedy_match"] and cell["methods"]["self"]["tau"] > 1.5
+    assert cell["methods"]["self_auto"]["greedy_match"] and cell["methods"]["self"]["plain_steps"] == 0
     refs = [target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=16)[0, 40:].tolist() for p in prompts]
     assert group["plain"]["rows"] == refs
     # continuous batching: two rows, the other two prompts (then the first two again) waiting for a free row
     queue = run_group(runner, drafters, rows[:2], max_new=16, waiting=rows[2:] + rows[:2])
     cell = summarise_cell([queue], list(drafters), b=2, context=40)
-    assert cell["prompts"] == 6 and cell["methods"]["self"]["greedy_match"]
+    assert cell["prompts"] == 6 and cell["methods"]["self"]["greedy_match"] and cell["methods"]["self_auto"]["greedy_match"]
     assert queue["self"]["rows"] == refs[:2] + refs[2:] + refs[:2] == queue["plain"]["rows"]
     assert cell["methods"]["self"]["admit_s"] > 0
 
@@ -341,3 +346,83 @@ def test_self_draft_vocabulary_drafts_only_its_tokens():
     for bad in (torch.tensor([0, target.config.vocab_size]), torch.tensor([], dtype=torch.long)):
         with pytest.raises(ValueError, match="vocab must be a 1-D tensor of target ids"):
             StreamingSelfDrafter(target, vocab=bad)
+
+
+class Alternating(SpeculationSwitch):
+    """A switch that takes a plain step every third step whatever the costs (the mix the exactness tests need)."""
+
+    def speculate(self, requests):
+        return self.steps % 3 != 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_switch_mixes_plain_and_speculative_steps_losslessly(arch):
+    """fp32, B = 4 rows of different lengths, eos stopping rows at different steps: with plain steps between the
+    speculative ones (the drafter's skip() keeps it in step), every row still equals that row decoded alone, for
+    the head (full and windowed KV) and the self-draft."""
+    target = near_bigram_target(arch)
+    rows = row_prompts(target.config.vocab_size, seed=3)
+    alone = [target.generate(r, do_sample=False, max_new_tokens=24, eos_token_id=None)[0, r.shape[1]:].tolist()
+             for r in rows]
+    eos = alone[0][6]
+    oracle = oracle_head(target).attach_target(target)
+    gens = {
+        "head": SpeculativeGenerator(target, random_head(target).attach_target(target), tree=TREES["wide"],
+                                     speculate=Alternating()),
+        "head_window": SpeculativeGenerator(target, oracle, tree=TREES["deep"], draft_kv="streaming", sink=2,
+                                            window=4, speculate=Alternating()),
+        "self": SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=2, window=4, gamma=3),
+                                     speculate=Alternating()),
+    }
+    for name, gen in gens.items():
+        for stop in (None, eos):
+            assert_rows_match(gen, target, rows, max_new=24, eos=stop)
+            ids, mask = left_padded(rows)
+            out = gen.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=[] if stop is None else stop)
+            steps = out.stats.target_forwards - 1
+            assert out.stats.plain_steps == steps // 3 > 0, name
+            if name != "head":  # oracle drafts: the speculative steps still accept long paths
+                assert max(out.stats.accept_lengths) > 2, name
+            if name == "head" and stop is None:  # every committed pair is in the head's KV but each row's last,
+                d = gen.batch_drafter  # which waits for the next step with its root
+                fed = d.next_pos + d.pending["valid"].sum(dim=1)
+                assert fed.tolist() == gen.batch_runner.positions.tolist() == (d.slot_pos >= 0).sum(1).add(1).tolist()
+
+
+def test_switch_speculates_only_where_it_pays():
+    """The switch's choice from measured costs: each kind tried once for a batch size, then the faster one in
+    tokens a second (rows' measured tokens per speculative step against one token per plain step), the other
+    tried again every recheck_every steps; a compile-slow first step does not count once a second one is seen."""
+    with pytest.raises(ValueError):
+        SpeculationSwitch(recheck_every=1)
+    s = SpeculationSwitch(recheck_every=4)
+    assert s.speculate([0, 1, 2, 3])  # nothing measured: speculate first
+    s.record(True, [0, 1, 2, 3], 30.0, [3, 3, 3, 3])  # a first step that compiled
+    assert not s.speculate([0, 1, 2, 3])  # then a plain step, to measure it
+    s.record(False, [0, 1, 2, 3], 0.05, [1, 1, 1, 1])
+    assert not s.speculate([0, 1, 2, 3])  # 12 tokens in 30 s against 4 in 0.05 s
+    s.record(False, [0, 1, 2, 3], 0.05, [1, 1, 1, 1])
+    s.record(True, [0, 1, 2, 3], 0.1, [3, 3, 3, 3])  # the speculative step measured again (the recheck)
+    assert s.cost(True, 4) == 0.1 and s.cost(False, 4) == 0.05
+    assert s.speculate([0, 1, 2, 3])  # 120 tokens/s against 80
+    for _ in range(3):
+        s.record(True, [0, 1, 2, 3], 0.1, [3, 3, 3, 3])
+        assert s.speculate([0, 1, 2, 3])
+    s.record(True, [0, 1, 2, 3], 0.1, [3, 3, 3, 3])
+    assert not s.speculate([0, 1, 2, 3])  # recheck_every steps of one kind: the other once
+    s.record(False, [0, 1, 2, 3], 0.05, [1, 1, 1, 1])
+    assert s.speculate([0, 1, 2, 3])
+    # rows that accept little: 4 × 1.2 tokens in 0.1 s against 4 in 0.05 s
+    for _ in range(4):
+        s.record(True, [0, 1, 2, 3], 0.1, [1, 1, 2, 1])
+    assert not s.speculate([0, 1, 2, 3])
+    # two rows left: their own gains, the speculative cost of the larger batch until measured, plain tried once
+    s.reset()
+    s.record(True, [0, 1, 2, 3], 0.1, [4, 4, 1, 1])
+    s.record(False, [0, 1, 2, 3], 0.06, [1, 1, 1, 1])
+    assert s.cost(True, 2) == 0.1 and s.cost(False, 2) is None
+    assert not s.speculate([2, 3])
+    s.record(False, [2, 3], 0.03, [1, 1])
+    assert not s.speculate([2, 3])  # rows 2 and 3 accept nothing: 2 tokens in 0.1 s against 2 in 0.03 s
+    assert s.speculate([0, 1])  # rows 0 and 1: 8 tokens in 0.1 s against 2 in 0.03 s
+    assert s.plain_steps == 2

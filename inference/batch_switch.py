@@ -1,0 +1,82 @@
+"""Batched decoding that speculates only while it pays: each step, speculate or take a plain step, by measured cost.
+
+Why: a batched speculative step costs the drafting (one forward of the draft per depth, for the whole batch at once)
+plus one verification of every row's draft, and it pays only while the rows accept enough of it. Where a plain step
+is cheap next to that (a short context, whose KV is cheap to read) or when the rows left accept little (the tail of
+a fixed batch, where the slowest rows finish alone), a plain step, every row's root verified alone, delivers more
+tokens a second. Both kinds of step are exact (a plain step is the verification of a tree holding only the root),
+so the output does not depend on the choice: only the speed does.
+
+The switch keeps, per number of rows in use, the seconds of recent steps of each kind (the least of the last few:
+a step that compiled a graph or met a slow spell of a shared machine does not count), and per request its tokens
+per speculative step (a running mean). It speculates when the rows' expected tokens per speculative step over its
+seconds beat the rows per plain step over its seconds. A kind it has no measurement of, for the current number of
+rows, is tried once (speculation first); the kind not chosen is tried again every `recheck_every` steps, as
+costs and acceptance drift (contexts grow, requests change).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class SpeculationSwitch:
+    """Chooses, each step of a batched decode, between speculating and a plain step (see the module docstring).
+    One decode at a time: `reset()` at its start (decode_batch does)."""
+
+    def __init__(self, recheck_every: int = 32, keep: int = 4, smoothing: float = 0.5):
+        if recheck_every < 2 or keep < 1 or not 0 < smoothing <= 1:
+            raise ValueError("recheck_every >= 2, keep >= 1 and 0 < smoothing <= 1 expected")
+        self.recheck_every, self.keep, self.smoothing = recheck_every, keep, smoothing
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds: dict[tuple[bool, int], deque] = {}  # (speculative, rows in use) -> recent step seconds
+        self.gain: dict[int, float] = {}  # request -> tokens per speculative step (running mean)
+        self.steps = 0
+        self.last_switch = 0  # the step the other kind last ran
+        self.choice = True
+        self.plain_steps = 0
+
+    def cost(self, speculative: bool, rows: int) -> float | None:
+        """Seconds a step of this kind takes with `rows` rows in use: the least of its last measurements there; for
+        speculation without any there, the measurement at the nearest larger batch (a larger batch costs more, so
+        this leans towards trying the plain step); None if nothing fits."""
+        seen = self.seconds.get((speculative, rows))
+        if seen:
+            return min(seen)
+        if speculative:
+            larger = sorted(b for s, b in self.seconds if s and b > rows)
+            if larger:
+                return min(self.seconds[True, larger[0]])
+        return None
+
+    def speculate(self, requests: list[int]) -> bool:
+        """Whether the next step speculates, for the requests the batch's rows hold (finished ones excluded)."""
+        rows = len(requests)
+        spec, plain = self.cost(True, rows), self.cost(False, rows)
+        if spec is None or not self.gain:
+            choice = True
+        elif plain is None:
+            choice = False
+        else:
+            known = list(self.gain.values())
+            prior = sum(known) / len(known)  # a request not measured yet: as the others
+            tokens = sum(self.gain.get(r, prior) for r in requests)
+            choice = tokens / spec >= rows / plain
+            if self.steps - self.last_switch >= self.recheck_every and choice == self.choice:
+                choice = not choice  # measure the other kind again
+        if choice != self.choice:
+            self.last_switch = self.steps
+        self.choice = choice
+        return choice
+
+    def record(self, speculative: bool, requests: list[int], seconds: float, tokens: list[int]) -> None:
+        """One step done: its kind, the requests of its rows in use, its seconds and each request's new tokens."""
+        self.steps += 1
+        self.plain_steps += not speculative
+        self.seconds.setdefault((speculative, len(requests)), deque(maxlen=self.keep)).append(seconds)
+        if speculative:
+            for r, n in zip(requests, tokens):
+                old = self.gain.get(r)
+                self.gain[r] = n if old is None else old + self.smoothing * (n - old)
