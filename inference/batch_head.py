@@ -114,7 +114,7 @@ class BatchHeadDrafter:
     @torch.inference_mode()
     def skip(self, roots: torch.Tensor) -> None:
         """A plain step instead of a tree: the pending pairs are fed all the same (accept() brings the next ones)."""
-        self._feed(roots)
+        self._feed_pending(roots)
 
     def accept(self, paths: list[torch.Tensor], new_tokens: list[torch.Tensor], features: torch.Tensor) -> None:
         """Row i's pairs: the accepted nodes' true features, each with the token after it (the last: the root)."""
@@ -172,13 +172,19 @@ class BatchHeadDrafter:
     def _feed(self, roots: torch.Tensor):
         """Feed the pending pairs (in chunks for a prompt). Returns each row's head output at its last pair
         (B, 1, H) and that output's top-k (log-probs (B, k), target ids (B, k)): depth 1 of the tree."""
+        last = self._feed_pending(roots)
+        scores, ids = head_top_k(self.head, last[:, 0], self.opt.top_k)
+        return last, scores, ids
+
+    def _feed_pending(self, roots: torch.Tensor) -> torch.Tensor:
+        """Feed the pending pairs, the last one's token being each row's root. Returns each row's head output at
+        its last pair (B, 1, H)."""
         p = self.pending
         tokens = torch.where(p["is_root"], roots[:, None], p["tokens"])
         last = self._feed_pairs(tokens, p["features"], p["positions"], p["valid"])
         fed = torch.where(p["valid"], p["positions"], -1).max(dim=1).values + 1
         self.next_pos = torch.where(p["valid"].any(dim=1), fed, self.next_pos)  # a finished row feeds nothing
-        scores, ids = head_top_k(self.head, last[:, 0], self.opt.top_k)
-        return last, scores, ids
+        return last
 
     def _feed_pairs(self, tokens, features, positions, valid) -> torch.Tensor | None:
         """Feed true pairs (B, m), valid ones first in each row, in chunks. Returns each row's head output at its

@@ -8,7 +8,7 @@ tokens a second. Both kinds of step are exact (a plain step is the verification 
 so the output does not depend on the choice: only the speed does.
 
 The switch keeps, per number of rows in use, the seconds of recent steps of each kind (the least of the last few:
-a step that compiled a graph or met a slow spell of a shared machine does not count), and per request its tokens
+a step that compiled a graph or met a slow spell of a shared machine stops counting once another is seen), and per request its tokens
 per speculative step (a running mean). It speculates when the rows' expected tokens per speculative step over its
 seconds beat the rows per plain step over its seconds. A kind it has no measurement of, for the current number of
 rows, is tried once (speculation first); the kind not chosen is tried again every `recheck_every` steps, as
@@ -36,7 +36,6 @@ class SpeculationSwitch:
         self.steps = 0
         self.last_switch = 0  # the step the other kind last ran
         self.choice = True
-        self.plain_steps = 0
 
     def cost(self, speculative: bool, rows: int) -> float | None:
         """Seconds a step of this kind takes with `rows` rows in use: the least of its last measurements there; for
@@ -74,7 +73,6 @@ class SpeculationSwitch:
     def record(self, speculative: bool, requests: list[int], seconds: float, tokens: list[int]) -> None:
         """One step done: its kind, the requests of its rows in use, its seconds and each request's new tokens."""
         self.steps += 1
-        self.plain_steps += not speculative
         self.seconds.setdefault((speculative, len(requests)), deque(maxlen=self.keep)).append(seconds)
         if speculative:
             for r, n in zip(requests, tokens):

@@ -425,4 +425,3 @@ def test_switch_speculates_only_where_it_pays():
     s.record(False, [2, 3], 0.03, [1, 1])
     assert not s.speculate([2, 3])  # rows 2 and 3 accept nothing: 2 tokens in 0.1 s against 2 in 0.03 s
     assert s.speculate([0, 1])  # rows 0 and 1: 8 tokens in 0.1 s against 2 in 0.03 s
-    assert s.plain_steps == 2
