@@ -130,8 +130,13 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     policies = {}
     for name in args.policies.split(","):
-        parts = dict((p[0], int(p[1:])) for p in name.split("_")[1:])
-        policies[name] = (parts.get("k", 0) if name.startswith("snap") else 0, parts["w"])
+        kind, *sizes = name.split("_")
+        parts = {p[0]: p[1:] for p in sizes if p}
+        wanted = {"stream": {"w"}, "snap": {"k", "w"}}.get(kind)
+        if wanted is None or set(parts) != wanted or len(parts) != len(sizes) or not all(
+                v.isdigit() for v in parts.values()):
+            ap.error(f"policy {name!r}: expected stream_wW or snap_kK_wW (e.g. stream_w512, snap_k128_w128)")
+        policies[name] = (int(parts.get("k", 0)), int(parts["w"]))
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16).eval()
     result = {"target": args.target, "context": args.context, "gamma": args.gamma, "sink": args.sink,
