@@ -109,7 +109,7 @@ def decode_batch(runner: BatchRunner, drafter: BatchDrafter, input_ids: torch.Te
             drafter.keep_rows(index)
             rows, roots, done = [rows[k] for k in alive], roots[index], [False] * len(alive)
         t0 = time.perf_counter()
-        live = [rows[k] for k in range(len(rows)) if not done[k]]  # the requests of the rows still decoding
+        live = [rows[k] for k in range(len(rows)) if not done[k]] if switch is not None else None  # their requests
         speculate = switch is None or switch.speculate(live)
         if speculate:
             tree = drafter.propose(roots, params, generator)

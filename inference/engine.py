@@ -31,9 +31,9 @@ from drafthead.utils import parse_dtype, place_module
 from drafthead.masks import causal_allowed
 
 from .batch import decode_batch
-from .batch_switch import SpeculationSwitch
 from .batch_head import BatchHeadDrafter
 from .batch_runner import BatchRunner
+from .batch_switch import SpeculationSwitch
 from .batch_tree import PlainBatchDrafter
 from .draft_model import DraftModelDrafter, load_draft_model
 from .draft_vocab import assistant_token_counts, default_corpus, frequent_tokens
@@ -220,10 +220,13 @@ class SpeculativeGenerator:
         if hybrid and not isinstance(self.drafter, HybridDrafter):
             raise ValueError("hybrid=True adds prompt lookup to a draft head; this draft is not a head")
         self.plain = isinstance(self.drafter, PlainDrafter)
-        if isinstance(speculate, str) and speculate not in ("always", "auto"):
-            raise ValueError(f"speculate must be 'always', 'auto' or a SpeculationSwitch, got {speculate!r}")
         # batched decoding: speculate on every step, or only where it pays (batch_switch.py)
-        self.switch = SpeculationSwitch() if speculate == "auto" else None if speculate == "always" else speculate
+        if isinstance(speculate, SpeculationSwitch):
+            self.switch = speculate
+        elif speculate in ("always", "auto"):
+            self.switch = SpeculationSwitch() if speculate == "auto" else None
+        else:
+            raise ValueError(f"speculate must be 'always', 'auto' or a SpeculationSwitch, got {speculate!r}")
 
     @property
     def batch_runner(self) -> BatchRunner:
@@ -286,7 +289,7 @@ class SpeculativeGenerator:
         sink: int = 4,
         window: int = 512,
         draft_vocab: int | None = None,
-        speculate: str = "always",
+        speculate: str | SpeculationSwitch = "always",
     ) -> "SpeculativeGenerator":
         """target: HF folder/name or a loaded causal LM. draft: a head folder (native or exported) or DraftHead;
         a smaller causal LM's folder (or model) sharing the target's tokenizer, drafting chains of `gamma` tokens;
