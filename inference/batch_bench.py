@@ -50,12 +50,13 @@ BATCH_METHODS = {
     "plain": "plain batched decoding on the batch runner (the baseline)",
     "self": "self-speculation: the target drafts gamma tokens with a sink + window KV (MagicDec)",
     "self_vocab": "the same, drafting only the --draft-vocab most frequent tokens (fewer lm_head rows a step)",
+    "self_int8": "the same, drafting with an int8 copy of the target's weights (half the bytes a draft step reads)",
     "head": "EAGLE head trees, the head's KV over the whole context",
     "head_window": "EAGLE head trees, the head's KV windowed (sink + window)",
 }
 AUTO = "_auto"  # a method's name + this: the same drafter, speculating only on the steps where it pays
 BATCH_METHODS.update({name + AUTO: f"{name}, speculating only where its measured cost pays (batch_switch.py)"
-                      for name in ("self", "head", "head_window")})
+                      for name in ("self", "self_int8", "head", "head_window")})
 
 
 def peak_rss_reset() -> None:
@@ -88,6 +89,8 @@ def make_drafters(args, model, head, tokenizer=None) -> dict:
         vocab = frequent_tokens(tokenizer, model.get_output_embeddings().weight.shape[0], args.draft_vocab,
                                 args.vocab_corpus)
         drafters["self_vocab"] = StreamingSelfDrafter(model, **streaming, vocab=vocab)
+    if "self_int8" in {name.removesuffix(AUTO) for name in args.batch_methods}:
+        drafters["self_int8"] = StreamingSelfDrafter(model, **streaming, weights="int8")
     if head is not None:
         drafters["head"] = BatchHeadDrafter(head, options)
         drafters["head_window"] = BatchHeadDrafter(head, options, sink=args.sink, window=args.window)

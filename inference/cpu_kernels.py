@@ -23,14 +23,14 @@ BLOCK = 32  # output columns per packed weight block (small_gemm.cpp)
 @functools.cache
 def kernels_available() -> bool:
     """True once the kernels are built and loaded; builds them on the first call where the CPU has AVX512-BF16."""
-    if "avx512_bf16" not in cpu_flags():
+    if "avx512_bf16" not in cpu_flags():  # (every CPU with AVX512-BF16 also has AVX512-VNNI, used for int8)
         return False
     from torch.utils.cpp_extension import load
 
     sources = [str(Path(__file__).with_name(name)) for name in SOURCES]
     # -fopenmp: at::parallel_for is a header template that runs serially unless the extension itself is built
     # with OpenMP
-    flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+    flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-fopenmp"]
     try:
         load(name="drafthead_cpu_kernels", sources=sources, extra_cflags=flags, extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
@@ -42,6 +42,10 @@ def kernels_available() -> bool:
 
     @torch.library.register_fake("drafthead_kernels::small_linear")
     def _(x, packed, bias):
+        return x.new_empty(*x.shape[:-1], packed.shape[0] * BLOCK)
+
+    @torch.library.register_fake("drafthead_kernels::small_linear_int8")
+    def _(x, packed, columns, bias):
         return x.new_empty(*x.shape[:-1], packed.shape[0] * BLOCK)
 
     @torch.library.register_fake("drafthead_kernels::prefix_attention")

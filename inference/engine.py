@@ -290,6 +290,7 @@ class SpeculativeGenerator:
         window: int = 512,
         draft_vocab: int | None = None,
         speculate: str | SpeculationSwitch = "always",
+        draft_weights: str = "same",
     ) -> "SpeculativeGenerator":
         """target: HF folder/name or a loaded causal LM. draft: a head folder (native or exported) or DraftHead;
         a smaller causal LM's folder (or model) sharing the target's tokenizer, drafting chains of `gamma` tokens;
@@ -302,13 +303,17 @@ class SpeculativeGenerator:
         ShareGPT's assistant turns (the asset cache, draft_vocab.py) use most (a head's lm_head rows are pruned;
         the self-draft computes only those rows of the target's lm_head); output stays lossless. speculate="auto":
         batched decoding (B > 1, self-speculation, a streaming draft KV) speculates only on the steps where its
-        measured cost pays, taking plain steps on the others (batch_switch.py); "always" speculates on every step."""
+        measured cost pays, taking plain steps on the others (batch_switch.py); "always" speculates on every step.
+        draft_weights="int8" (self-speculation): the draft multiplies with an int8 copy of the target's weights
+        (half the bytes a draft step reads; the target verifies with its own: still lossless)."""
         dtype = parse_dtype(dtype)
         model, tokenizer = load_causal_lm(target, dtype, tokenizer)
         model = place_module(model, device, dtype).eval()
         ref = next(model.parameters())
         if draft_vocab is not None and tokenizer is None:
             raise ValueError("draft_vocab counts tokens with the target's tokenizer: pass tokenizer=")
+        if draft_weights != "same" and not (isinstance(draft, str) and draft == "self"):
+            raise ValueError(f"draft_weights={draft_weights!r} applies to the self-draft (draft='self') only")
         if isinstance(draft, str) and draft == "prompt-lookup":
             draft = PromptLookupDrafter(lookup_tokens)
         elif isinstance(draft, str) and draft == "self":
@@ -318,7 +323,8 @@ class SpeculativeGenerator:
             vocab = None if draft_vocab is None else frequent_tokens(
                 tokenizer, model.get_output_embeddings().weight.shape[0], draft_vocab)
             draft = StreamingSelfDrafter(model, sink=sink, window=window, gamma=gamma,
-                                         compile=compile_setting(compile, ref.device), vocab=vocab)
+                                         compile=compile_setting(compile, ref.device), vocab=vocab,
+                                         weights=draft_weights)
         elif isinstance(draft, DraftHead):
             check_compatible(draft.config, model.config)
             draft = place_module(draft, ref.device, ref.dtype).attach_target(model)

@@ -16,6 +16,10 @@ size (the rows still alive first, the last of them repeated after), so with `com
 torch.compile graph) no row leaving costs a recompile; a draft step over a constant-size KV costs about the same
 for 4 rows as for 8 (it reads the weights once either way).
 
+`weights="int8"`: the draft multiplies with an int8 copy of the target's linear weights (small_gemm.py's
+int8_weights; each input row quantised to int8 too): a draft step streams half the bytes of the weights, which is
+what it is bound by. The target still verifies with its own weights: lossless either way.
+
 `vocab` (optional): the target ids the draft may propose, e.g. the N most frequent (draft_vocab.frequent_tokens).
 Then a draft step computes its logits over those rows of the lm_head only; with SmolLM2's 49k-row lm_head tied to
 its embedding, that is a fifth of the weights each draft step reads. The output stays lossless: the full target
@@ -36,7 +40,11 @@ from .attention import kv_length_kwargs
 from .batch_tree import BatchTree
 from .sampling import SamplingParams, target_probs
 from .slots import SlotMap
+from .small_gemm import int8_weights, use_int8_weights
 from .static_runner import compile_step, set_write_slot, static_cache
+
+
+DRAFT_WEIGHTS = ("same", "int8")
 
 
 class StreamingSelfDrafter:
@@ -46,9 +54,15 @@ class StreamingSelfDrafter:
     feature_layers: list[int] = []
 
     def __init__(self, model: nn.Module, sink: int = 4, window: int = 512, gamma: int = 3, compile: bool = False,
-                 vocab: torch.Tensor | None = None):
+                 vocab: torch.Tensor | None = None, weights: str = "same"):
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
+        if weights not in DRAFT_WEIGHTS:
+            raise ValueError(f"weights must be one of {DRAFT_WEIGHTS}, got {weights!r}")
+        self.int8 = weights == "int8"
+        if self.int8 and use_int8_weights(model) == 0:
+            raise ValueError("weights='int8': the model has no linear layer an int8 copy fits (out_features a "
+                             "multiple of 32, in_features of 16)")
         self.model = model
         lm_head = model.get_output_embeddings()
         self.vocab_size = lm_head.weight.shape[0]  # the target's
@@ -154,7 +168,8 @@ class StreamingSelfDrafter:
             set_write_slot(self.cache, self.scratch + d)
             first = full not in self.compile_s
             start = time.perf_counter()
-            logits, greedy = self._step(tokens, positions + d, mask, self.kv_length)
+            with int8_weights(self.int8):
+                logits, greedy = self._step(tokens, positions + d, mask, self.kv_length)
             if first:
                 self.compile_s[full] = time.perf_counter() - start
             if params.do_sample:

@@ -51,6 +51,9 @@ def generators(target, window: int = 4) -> dict[str, SpeculativeGenerator]:
         # the self-draft proposing only even token ids: its drafts of odd tokens are always rejected
         "self_vocab": SpeculativeGenerator(target, StreamingSelfDrafter(
             target, sink=2, window=window, gamma=3, vocab=torch.arange(0, target.config.vocab_size, 2))),
+        # drafting with int8 copies of the target's weights (float32 here: small_gemm's reference path)
+        "self_int8": SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=2, window=window, gamma=3,
+                                                                       weights="int8")),
     }
 
 
@@ -206,6 +209,7 @@ def test_batch_sampling_follows_the_target_per_row():
     for gen in (SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=1, window=2, gamma=2)),
                 SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=1, window=2, gamma=2,
                                                                   vocab=torch.tensor([2, 3, 5, 6, 8, 9, 11, 12, 14]))),
+                SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=1, window=2, gamma=2, weights="int8")),
                 SpeculativeGenerator(target, oracle_head(target).attach_target(target), tree=TREES["wide"])):
         g = torch.Generator().manual_seed(4)
         counts = [{} for _ in rows]

@@ -187,3 +187,83 @@ def test_siblings_sharing_an_input_become_one_call_with_bit_identical_results():
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     with small_row_kernel():  # and the modules' own path agrees with both
         assert torch.equal(projections.k(x) * 2, after[1])
+
+
+# ---------------------------------------------------------------------------------------------- int8 drafting
+@pytest.mark.parametrize("rows", [1, 5, 8, 11])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_kernel_computes_the_reference_int8_product(rows, bias):
+    """The AVX512-VNNI kernel (packed weights) gives small_gemm's reference int8 math (plain int8 weights) to bf16
+    rounding, and both stay within int8 quantisation error of the bf16 product."""
+    from inference.small_gemm import int8_linear, quantize_weight_int8
+
+    module = linear(576, 192, bias)
+    x = torch.randn(rows, 576).to(torch.bfloat16)
+    packed, columns = torch.ops.drafthead_kernels.pack_weight_int8(module.weight)
+    plain, plain_columns = quantize_weight_int8(module.weight)
+    torch.testing.assert_close(columns, plain_columns)
+    ours = int8_linear(x, packed, columns, module.bias)
+    reference = int8_linear(x, plain, plain_columns, module.bias)
+    assert ours.shape == (rows, 192) and ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.float(), reference.float(), rtol=2 ** -7, atol=1e-3)
+    exact = F.linear(x.float(), module.weight.float(), module.bias.float() if bias else None)
+    error = (ours.float() - exact).abs().max() / exact.abs().max()
+    assert 0 < error < 0.03  # quantised: close, not equal
+
+
+def test_int8_copies_are_used_only_inside_int8_weights_also_compiled():
+    """use_int8_weights keeps parameters, ties and state dict; the int8 copy answers only inside int8_weights()
+    (a zeroed copy makes it visible: the output is the bias), also through a compiled step (the global is guarded);
+    it combines with the bf16 kernel in either order; a float32 model gets plain int8 copies."""
+    from inference.small_gemm import int8_weights, use_int8_weights
+
+    module = linear(64, 96, bias=True)
+    assert use_int8_weights(module) == 1 and module.int8_weight.dim() == 4  # packed for the kernel
+    use_small_row_kernel(module)
+    assert isinstance(module, SmallRowLinear) and module.int8_weight is not None
+    module.int8_weight.zero_()
+    module.int8_columns[1].zero_()  # (the zero point's correction of the old weights)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    assert torch.equal(module(x), F.linear(x, module.weight, module.bias))
+    with int8_weights():
+        assert torch.equal(module(x), module.bias.expand(4, 96))
+    step = torch.compile(lambda x: module(x) * 1, dynamic=False)
+    with torch.inference_mode():
+        assert torch.equal(step(x), F.linear(x, module.weight, module.bias))
+        with int8_weights():
+            assert torch.equal(step(x), module.bias.expand(4, 96))
+        with int8_weights(False):
+            assert torch.equal(step(x), F.linear(x, module.weight, module.bias))
+
+    target = tiny_model("llama", dtype=torch.bfloat16, tie_word_embeddings=True, vocab_size=320)
+    keys = list(target.state_dict())
+    count = use_int8_weights(target)
+    assert count >= 8 * 6 + 1 and use_int8_weights(target) == count  # a second call adds nothing
+    assert list(target.state_dict()) == keys and target.lm_head.weight is target.model.embed_tokens.weight
+    ids = torch.randint(3, 320, (2, 7))
+    with torch.inference_mode():
+        full = target(ids).logits
+        with int8_weights():
+            drafted = target(ids).logits
+    assert not torch.equal(full, drafted) and (drafted - full).abs().max() < 0.2 * full.abs().max()
+    fp32 = tiny_model("llama")
+    assert use_int8_weights(fp32) > 0 and fp32.model.layers[0].mlp.up_proj.int8_weight.dim() == 2
+
+
+def test_int8_self_draft_in_bf16_verifies_to_the_same_tokens():
+    """bf16 tiny target, 3 left-padded rows: self-speculation drafting with int8 weights (the kernel) gives every
+    row the same tokens as drafting with the bf16 weights (the target verifies both), and its drafts are accepted."""
+    from test_batch import left_padded, row_prompts
+    from test_inference_greedy import near_bigram_target
+
+    from inference import SpeculativeGenerator
+    from inference.self_draft import StreamingSelfDrafter
+
+    target = near_bigram_target("llama", eps=0.05).to(torch.bfloat16)
+    ids, mask = left_padded(row_prompts(target.config.vocab_size)[:3])
+    outs = {}
+    for weights in ("same", "int8"):
+        gen = SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=2, window=4, gamma=3, weights=weights))
+        outs[weights] = gen.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=[])
+    assert torch.equal(outs["same"].sequences, outs["int8"].sequences)
+    assert outs["int8"].stats.mean_accepted > 1.2  # the int8 draft is accepted often
