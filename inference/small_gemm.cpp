@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -181,8 +182,10 @@ torch::Tensor small_linear_int8(const torch::Tensor& x, const torch::Tensor& pac
     bias_f = bias->to(at::kFloat).contiguous();
   }
   // each row of x as u8 (round(x / s) + 128) and its scale s (a plain loop: a few rows, no ATen op overhead)
-  std::vector<uint8_t> xq(static_cast<size_t>(m_total * k));
-  std::vector<float> row_scale(static_cast<size_t>(m_total));
+  thread_local std::vector<uint8_t> xq;  // kept between calls: no allocation per call
+  thread_local std::vector<float> row_scale;
+  xq.resize(static_cast<size_t>(m_total * k));
+  row_scale.resize(static_cast<size_t>(m_total));
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(rows.data_ptr());
   for (int64_t m = 0; m < m_total; ++m) {
     const uint16_t* src = xb + m * k;
