@@ -106,7 +106,8 @@ def test_smollm2_every_drafter_greedy_lossless(smollm2, smollm2_path, head_dir, 
 @pytest.mark.real
 def test_smollm2_batch_greedy_lossless(smollm2, smollm2_path, head_dir):
     """fp32, 4 chat prompts of different lengths in one left-padded batch: plain batched decoding, head trees (full
-    and windowed KV) and StreamingLLM self-speculation each give every row exactly its own greedy output."""
+    and windowed KV) and StreamingLLM self-speculation (drafting with its own weights, and with int8 copies) each
+    give every row exactly its own greedy output."""
     from test_batch import left_padded
     from transformers import AutoTokenizer
 
@@ -120,7 +121,9 @@ def test_smollm2_batch_greedy_lossless(smollm2, smollm2_path, head_dir):
     refs = [smollm2.generate(r, do_sample=False, max_new_tokens=24)[0, r.shape[1]:].tolist() for r in rows]
     ids, mask = left_padded(rows, pad=tok.pad_token_id or 0)
     gens = {"plain": SpeculativeGenerator(smollm2, None, tree="none"),
-            "self": SpeculativeGenerator(smollm2, StreamingSelfDrafter(smollm2, sink=4, window=16, gamma=3))}
+            "self": SpeculativeGenerator(smollm2, StreamingSelfDrafter(smollm2, sink=4, window=16, gamma=3)),
+            "self_int8": SpeculativeGenerator(smollm2, StreamingSelfDrafter(smollm2, sink=4, window=16, gamma=3,
+                                                                            weights="int8"))}
     for kv in ("full", "streaming"):
         gens[f"head_{kv}"] = SpeculativeGenerator.from_pretrained(smollm2, head_dir, tree="4,4,8", draft_kv=kv,
                                                                   window=16)
@@ -129,4 +132,5 @@ def test_smollm2_batch_greedy_lossless(smollm2, smollm2_path, head_dir):
         for i, ref in enumerate(refs):
             n = out.stats.rows_new_tokens[i]
             assert out.sequences[i, ids.shape[1]: ids.shape[1] + n].tolist() == ref, (name, i)
-    assert gens["self"].generate(ids, attention_mask=mask, max_new_tokens=24).stats.mean_accepted > 1.5
+    for name in ("self", "self_int8"):
+        assert gens[name].generate(ids, attention_mask=mask, max_new_tokens=24).stats.mean_accepted > 1.5, name
