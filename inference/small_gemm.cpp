@@ -19,11 +19,11 @@
 namespace {
 
 constexpr int64_t kBlock = 32;   // output columns per block (two vectors of 16 floats)
-constexpr int kMaxRows = 8;
+constexpr int kMaxRows = 8;      // rows accumulated at once (2 x 8 = 16 accumulator registers)
 
 inline __m512 bf16x16_to_float(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}      // rows accumulated at once (2 x 8 = 16 accumulator registers)
+}
 
 // acc (rows, 32) float = a (rows, K) bf16 · one packed block (K/2, 32, 2)
 template <int kRows>
@@ -54,7 +54,7 @@ const BlockDot kBlockDot[kMaxRows + 1] = {nullptr,        block_dot<1>, block_do
 // ---- int8 weights (a draft's copy): y = x · Wᵀ with W quantised per output column to int8 and each row of x
 // quantised on the fly to int8 (per row), multiplied with AVX512-VNNI (vpdpbusd: 64 byte products a vector).
 // Half the bytes of bf16 weights to stream, and half the instructions: a drafting step at a few rows costs about
-// half as much. Not exact (about 2 % of a small model's greedy choices change): for drafts only, which the
+// half as much. Not exact (about 4 % of a small model's greedy choices change): for drafts only, which the
 // full-precision target verifies.
 //
 // Layout of `packed8`: (N/32, K/4, 32, 4) int8; element [b, q, c, j] = Wq[32 b + c, 4 q + j]. Row m of x becomes
@@ -147,22 +147,7 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& packed, 
   return out.view(shape);
 }
 
-// (N, K) float weight -> (packed8 (N/32, K/4, 32, 4) int8, columns (2, N) float): per column scale max|W|/127
-// and 128 Σ_k Wq; N a multiple of 32, K of 4
-std::tuple<torch::Tensor, torch::Tensor> pack_weight_int8(const torch::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2, "pack_weight_int8: a 2-D weight");
-  const int64_t n = weight.size(0), k = weight.size(1);
-  TORCH_CHECK(n % kBlock == 0 && k % 4 == 0, "pack_weight_int8: out_features must be a multiple of 32 and ",
-              "in_features of 4, got ", weight.sizes());
-  const torch::Tensor w = weight.to(at::kFloat);
-  const torch::Tensor scale = w.abs().amax(1).clamp_min(1e-12) / 127;
-  const torch::Tensor q = (w / scale.unsqueeze(1)).round().clamp(-127, 127);
-  const torch::Tensor columns = torch::stack({scale, q.sum(1) * 128});
-  const torch::Tensor packed = q.to(at::kChar).reshape({n / kBlock, kBlock, k / 4, 4}).permute({0, 2, 1, 3}).contiguous();
-  return {packed, columns};
-}
-
-// x (..., K) bf16, packed8 and columns from pack_weight_int8, bias (N,) or none -> (..., N) bf16
+// x (..., K) bf16, packed8 and columns (small_gemm.py's quantize_weight_int8 + pack_int8), bias (N,) or none -> (..., N) bf16
 torch::Tensor small_linear_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& columns,
                                 const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == kBlock &&
@@ -172,7 +157,7 @@ torch::Tensor small_linear_int8(const torch::Tensor& x, const torch::Tensor& pac
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && k == 4 * quads && k % 16 == 0, "small_linear_int8: x must be bf16 with ",
               4 * quads, " features, got ", x.scalar_type(), " ", x.sizes());
   TORCH_CHECK(columns.scalar_type() == at::kFloat && columns.is_contiguous() && columns.dim() == 2 &&
-                  columns.size(0) == 2 && columns.size(1) >= n,
+                  columns.size(0) == 2 && columns.size(1) == n,
               "small_linear_int8: columns must be contiguous float (2, ", n, ")");
   const torch::Tensor rows = x.reshape({-1, k}).contiguous();
   const int64_t m_total = rows.size(0);
@@ -243,13 +228,11 @@ torch::Tensor small_linear_int8(const torch::Tensor& x, const torch::Tensor& pac
 TORCH_LIBRARY(drafthead_kernels, m) {
   m.def("pack_weight(Tensor weight) -> Tensor");
   m.def("small_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
-  m.def("pack_weight_int8(Tensor weight) -> (Tensor, Tensor)");
   m.def("small_linear_int8(Tensor x, Tensor packed, Tensor columns, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(drafthead_kernels, CPU, m) {
   m.impl("pack_weight", &pack_weight);
   m.impl("small_linear", &small_linear);
-  m.impl("pack_weight_int8", &pack_weight_int8);
   m.impl("small_linear_int8", &small_linear_int8);
 }

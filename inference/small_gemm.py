@@ -83,13 +83,13 @@ class SmallRowLinear(nn.Linear):
 # agree with it often. A self-draft (self_draft.py) is the target's own forward at a few rows, bound by reading
 # the weights: with an int8 copy of them (per output column) and each input row quantised to int8 on the fly, a
 # step streams half the bytes (small_gemm.cpp's AVX512-VNNI kernel; SmolLM2-135M's 211 linears at 8 rows, 2-core
-# Zen 4 EPYC: 8.8 -> 5.1 ms). SmolLM2-135M's greedy choices over long real text agree with the bf16 model's
+# Zen 4 EPYC: ~9 -> ~5-6 ms). SmolLM2-135M's greedy choices over long real text agree with the bf16 model's
 # at ~96 % (bf16 against float32: ~99 %).
 
 
 class Int8CopyLinear(nn.Linear):
-    """nn.Linear holding an int8 copy of its weight, used inside int8_weights() (where the kernel is not
-    available: float32 models, CUDA, CPUs without AVX512-BF16)."""
+    """nn.Linear holding an int8 copy of its weight, used inside int8_weights(): a linear that is not a
+    SmallRowLinear (float32 models, CUDA, CPUs without AVX512-BF16, or before use_small_row_kernel)."""
 
     int8_weight: torch.Tensor
     int8_columns: torch.Tensor
@@ -119,9 +119,15 @@ def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q.to(torch.int8), torch.stack([scale, q.sum(dim=1) * 128])
 
 
+def pack_int8(quantized: torch.Tensor) -> torch.Tensor:
+    """(N, K) int8 -> the kernel's layout (N/32, K/4, 32, 4): element [b, q, c, j] = W[32 b + c, 4 q + j]."""
+    n, k = quantized.shape
+    return quantized.reshape(n // BLOCK, BLOCK, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, columns: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
-    """x · Wᵀ (+ bias) from an int8 weight (quantize_weight_int8, or packed by pack_weight_int8 for the kernel),
+    """x · Wᵀ (+ bias) from an int8 weight (quantize_weight_int8; packed by pack_int8 for the kernel),
     with each row of x quantised to int8 (scale max|x|/127). Returns x's dtype."""
     if weight.dim() == 4:  # packed for the AVX512-VNNI kernel
         return torch.ops.drafthead_kernels.small_linear_int8(x.to(torch.bfloat16), weight, columns,
@@ -149,10 +155,9 @@ def use_int8_weights(model: nn.Module) -> int:
         if getattr(module, "int8_weight", None) is not None:
             continue
         w = module.weight
+        packed, columns = quantize_weight_int8(w)
         if w.dtype == torch.bfloat16 and w.device.type == "cpu" and kernels_available():
-            packed, columns = torch.ops.drafthead_kernels.pack_weight_int8(w.detach())
-        else:
-            packed, columns = quantize_weight_int8(w)
+            packed = pack_int8(packed)
         if not isinstance(module, SmallRowLinear):
             module.__class__ = Int8CopyLinear
         module.register_buffer("int8_weight", packed, persistent=False)
