@@ -129,13 +129,12 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, columns: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """x · Wᵀ (+ bias) from an int8 weight (quantize_weight_int8; packed by pack_int8 for the kernel),
     with each row of x quantised to int8 (scale max|x|/127). Returns x's dtype."""
-    if weight.dim() == 4:  # packed for the AVX512-VNNI kernel
-        return torch.ops.drafthead_kernels.small_linear_int8(x.to(torch.bfloat16), weight, columns,
-                                                             bias).to(x.dtype)
+    if weight.dim() == 4:  # packed for the AVX512-VNNI kernel (a bf16 model's: x is bf16 too)
+        return torch.ops.drafthead_kernels.small_linear_int8(x, weight, columns, bias)
     xf = x.float()
     row_scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127
     xq = (xf / row_scale).round().clamp(-127, 127)
-    y = (xq @ weight.float().T) * row_scale * columns[0].to(xf.device)
+    y = (xq @ weight.float().T) * row_scale * columns[0]
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
