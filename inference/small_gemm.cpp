@@ -25,6 +25,16 @@ inline __m512 bf16x16_to_float(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
+// out[0, 32) = bf16 of (lo, hi) + bias[0, 32) (bias may be null): one row of a 32-column block
+inline void store_block_row(__m512 lo, __m512 hi, const float* bias, uint16_t* out) {
+  if (bias != nullptr) {
+    lo = _mm512_add_ps(lo, _mm512_loadu_ps(bias));
+    hi = _mm512_add_ps(hi, _mm512_loadu_ps(bias + 16));
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(lo));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), (__m256i)_mm512_cvtneps_pbh(hi));
+}
+
 // acc (rows, 32) float = a (rows, K) bf16 · one packed block (K/2, 32, 2)
 template <int kRows>
 void block_dot(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t pairs, float* acc) {
@@ -131,16 +141,9 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& packed, 
       for (int64_t m0 = 0; m0 < m_total; m0 += kMaxRows) {
         const int rows_now = static_cast<int>(std::min<int64_t>(kMaxRows, m_total - m0));
         kBlockDot[rows_now](a + m0 * k, k, b + blk * pairs * 2 * kBlock, pairs, acc);
-        for (int m = 0; m < rows_now; ++m) {
-          __m512 lo = _mm512_loadu_ps(acc + m * kBlock), hi = _mm512_loadu_ps(acc + m * kBlock + 16);
-          if (bias_p != nullptr) {
-            lo = _mm512_add_ps(lo, _mm512_loadu_ps(bias_p + col));
-            hi = _mm512_add_ps(hi, _mm512_loadu_ps(bias_p + col + 16));
-          }
-          uint16_t* out_row = y + (m0 + m) * n + col;
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_row), (__m256i)_mm512_cvtneps_pbh(lo));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_row + 16), (__m256i)_mm512_cvtneps_pbh(hi));
-        }
+        for (int m = 0; m < rows_now; ++m)
+          store_block_row(_mm512_loadu_ps(acc + m * kBlock), _mm512_loadu_ps(acc + m * kBlock + 16),
+                          bias_p != nullptr ? bias_p + col : nullptr, y + (m0 + m) * n + col);
       }
     }
   });
@@ -210,14 +213,8 @@ torch::Tensor small_linear_int8(const torch::Tensor& x, const torch::Tensor& pac
           const __m512 s = _mm512_set1_ps(sa[m0 + m]);
           const __m512 raw0 = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + m * kBlock)), wc0);
           const __m512 raw1 = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + m * kBlock + 16)), wc1);
-          __m512 lo = _mm512_mul_ps(raw0, _mm512_mul_ps(ws0, s)), hi = _mm512_mul_ps(raw1, _mm512_mul_ps(ws1, s));
-          if (bias_p != nullptr) {
-            lo = _mm512_add_ps(lo, _mm512_loadu_ps(bias_p + col));
-            hi = _mm512_add_ps(hi, _mm512_loadu_ps(bias_p + col + 16));
-          }
-          uint16_t* out_row = y + (m0 + m) * n + col;
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_row), (__m256i)_mm512_cvtneps_pbh(lo));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_row + 16), (__m256i)_mm512_cvtneps_pbh(hi));
+          store_block_row(_mm512_mul_ps(raw0, _mm512_mul_ps(ws0, s)), _mm512_mul_ps(raw1, _mm512_mul_ps(ws1, s)),
+                          bias_p != nullptr ? bias_p + col : nullptr, y + (m0 + m) * n + col);
         }
       }
     }
