@@ -273,6 +273,10 @@ def test_batch_refusals():
         SpeculativeGenerator.from_pretrained(target, "self")
     with pytest.raises(ValueError, match="speculate must be"):
         SpeculativeGenerator(target, None, tree="none", speculate="sometimes")
+    with pytest.raises(ValueError, match="applies to the self-draft"):
+        SpeculativeGenerator.from_pretrained(target, "prompt-lookup", draft_weights="int8")
+    with pytest.raises(ValueError, match="weights must be one of"):
+        SpeculativeGenerator.from_pretrained(target, "self", draft_kv="streaming", draft_weights="int4")
     with pytest.raises(NotImplementedError, match="static KV"):
         BatchRunner(tiny_model("mistral", sliding_window=8), [])
 
