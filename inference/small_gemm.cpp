@@ -159,9 +159,9 @@ torch::Tensor small_linear_int8(const torch::Tensor& x, const torch::Tensor& pac
   const int64_t k = x.size(-1), n = packed.size(0) * kBlock, quads = packed.size(1);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && k == 4 * quads && k % 16 == 0, "small_linear_int8: x must be bf16 with ",
               4 * quads, " features, got ", x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(columns.scalar_type() == at::kFloat && columns.is_contiguous() && columns.dim() == 2 &&
-                  columns.size(0) == 2 && columns.size(1) == n,
-              "small_linear_int8: columns must be contiguous float (2, ", n, ")");
+  TORCH_CHECK(columns.scalar_type() == at::kFloat && columns.dim() == 2 && columns.size(0) == 2 &&
+                  columns.size(1) == n && columns.stride(1) == 1,
+              "small_linear_int8: columns must be float (2, ", n, ") with contiguous rows");
   const torch::Tensor rows = x.reshape({-1, k}).contiguous();
   const int64_t m_total = rows.size(0);
   torch::Tensor bias_f;

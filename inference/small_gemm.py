@@ -140,28 +140,42 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, columns: torch.Tensor,
     return y.to(x.dtype)
 
 
+def _sibling_groups(model: nn.Module, linears: list[nn.Linear]) -> list[list[nn.Linear]]:
+    """`linears` grouped by (parent module, input width), in module order: the siblings that may share an input
+    (an attention's q/k/v/o, an MLP's gate/up). The model itself may be the linear: a group of its own."""
+    groups: dict[tuple[int, int], list[nn.Linear]] = {}
+    parents = {id(child): id(parent) for parent in model.modules() for child in parent.children()}
+    for module in linears:
+        groups.setdefault((parents.get(id(module), id(module)), module.in_features), []).append(module)
+    return list(groups.values())
+
+
 @torch.no_grad()
 def use_int8_weights(model: nn.Module) -> int:
     """Give every linear of `model` whose shape allows it (out_features a multiple of 32, in_features of 16) an
     int8 copy of its weight, used only inside int8_weights(): packed for the kernel where it runs (bf16 on a CPU
-    with AVX512-BF16), plain int8 elsewhere. Parameters and state dict unchanged. Returns how many linears have
-    one (a second call adds nothing)."""
-    count = 0
-    for module in model.modules():
-        if not isinstance(module, nn.Linear) or module.out_features % BLOCK or module.in_features % 16:
-            continue
-        count += 1
-        if getattr(module, "int8_weight", None) is not None:
-            continue
-        w = module.weight
-        packed, columns = quantize_weight_int8(w)
-        if w.dtype == torch.bfloat16 and w.device.type == "cpu" and kernels_available():
-            packed = pack_int8(packed)
-        if not isinstance(module, SmallRowLinear):
-            module.__class__ = Int8CopyLinear
-        module.register_buffer("int8_weight", packed, persistent=False)
-        module.register_buffer("int8_columns", columns.to(w.device), persistent=False)
-    return count
+    with AVX512-BF16), plain int8 elsewhere. Parameters and state dict unchanged. Siblings with the same input
+    width lie back to back in one buffer (as use_small_row_kernel packs them), so that FuseSiblingLinears can
+    multiply the ones sharing an input in one call. Returns how many linears have one (a second call adds
+    nothing)."""
+    linears = [m for m in model.modules()
+               if isinstance(m, nn.Linear) and not m.out_features % BLOCK and not m.in_features % 16]
+    for group in _sibling_groups(model, [m for m in linears if getattr(m, "int8_weight", None) is None]):
+        weights, columns = zip(*(quantize_weight_int8(m.weight) for m in group))
+        w = group[0].weight
+        kernel = w.dtype == torch.bfloat16 and w.device.type == "cpu" and kernels_available()
+        weights = torch.cat([pack_int8(q) if kernel else q for q in weights])
+        columns = torch.cat(columns, dim=1).to(w.device)  # (2, N of the group): each module's a column slice
+        start = column = 0
+        for module in group:
+            width = module.out_features
+            rows = width // BLOCK if kernel else width  # the packed weight's first dimension counts blocks
+            if not isinstance(module, SmallRowLinear):
+                module.__class__ = Int8CopyLinear
+            module.register_buffer("int8_weight", weights[start: start + rows], persistent=False)
+            module.register_buffer("int8_columns", columns[:, column: column + width], persistent=False)
+            start, column = start + rows, column + width
+    return len(linears)
 
 
 @torch.no_grad()
@@ -174,12 +188,7 @@ def use_small_row_kernel(model: nn.Module) -> int:
     linears = [m for m in model.modules() if isinstance(m, SmallRowLinear) or eligible(m)]
     if not linears or not kernels_available():
         return 0
-    groups: dict[tuple[int, int], list[nn.Linear]] = {}  # (parent, input width) -> siblings, in module order
-    parents = {id(child): id(parent) for parent in model.modules() for child in parent.children()}
-    for module in linears:
-        if not isinstance(module, SmallRowLinear):  # the model itself may be the linear: a group of its own
-            groups.setdefault((parents.get(id(module), id(module)), module.in_features), []).append(module)
-    for group in groups.values():
+    for group in _sibling_groups(model, [m for m in linears if not isinstance(m, SmallRowLinear)]):
         packed = torch.cat([torch.ops.drafthead_kernels.pack_weight(m.weight.detach()) for m in group])
         start = 0
         for module in group:
@@ -206,60 +215,78 @@ def _back_to_back(a: torch.Tensor, b: torch.Tensor) -> bool:
             and b.is_contiguous() and a.storage_offset() + a.numel() == b.storage_offset())
 
 
+def _side_by_side(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when int8 columns b (2, N) continue a's along dim 1, in one storage (use_int8_weights' slices)."""
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.stride() == b.stride()
+            and a.stride(1) == 1 and a.storage_offset() + a.shape[1] == b.storage_offset())
+
+
 class FuseSiblingLinears(CustomGraphPass):
-    """Inductor post-grad pass: the small_linear calls that share an input and whose packed weights lie back to
-    back in one buffer (use_small_row_kernel packs siblings so) become ONE call over the span, its output sliced
-    per original call. Each output element is summed exactly as before (the kernel sums every column alike), so
-    results are bit-identical; a step makes fewer calls, each streaming a longer weight (SmolLM2-135M: 211 -> 121
-    calls per step). The fused weight is a view of the same storage: no copy."""
+    """Inductor post-grad pass: the small_linear (small_linear_int8) calls that share an input and whose packed
+    weights (and int8 columns) lie back to back in one buffer (use_small_row_kernel and use_int8_weights pack
+    siblings so) become ONE call over the span, its output sliced per original call. Each output element is
+    summed exactly as before (the kernels sum every column alike), so results are bit-identical; a step makes
+    fewer calls, each streaming a longer weight (SmolLM2-135M: 211 -> 121 calls per step). The fused weight is a
+    view of the same storage: no copy."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         module = graph.owning_module
         try:
-            op = torch.ops.drafthead_kernels.small_linear.default
+            ops = {torch.ops.drafthead_kernels.small_linear.default: 1,  # op -> its get_attr operands after x
+                   torch.ops.drafthead_kernels.small_linear_int8.default: 2}
         except AttributeError:  # the kernels were never loaded (fp32, no AVX512-BF16): no call to fuse
             return
-        by_input: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+        by_input: dict[tuple, list[torch.fx.Node]] = {}
         for node in graph.nodes:
-            if (node.op == "call_function" and node.target is op and len(node.args) >= 2
-                    and isinstance(node.args[1], torch.fx.Node) and node.args[1].op == "get_attr"
-                    and (len(node.args) < 3 or node.args[2] is None) and not node.kwargs):
-                by_input.setdefault(node.args[0], []).append(node)
+            operands = ops.get(node.target) if node.op == "call_function" else None
+            if (operands and not node.kwargs and len(node.args) >= 1 + operands
+                    and all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in node.args[1: 1 + operands])
+                    and all(a is None for a in node.args[1 + operands:])):
+                by_input.setdefault((node.target, node.args[0]), []).append(node)
         order = {n: i for i, n in enumerate(graph.nodes)}  # nodes inserted later are never compared
         fused = 0
-        for calls in by_input.values():
+        for (op, _), calls in by_input.items():
             if len(calls) < 2:
                 continue
-            weights = {n: _attribute(module, n.args[1].target) for n in calls}
-            calls.sort(key=lambda n: (weights[n].untyped_storage().data_ptr(), weights[n].storage_offset()))
+            tensors = {n: [_attribute(module, a.target) for a in n.args[1: 1 + ops[op]]] for n in calls}
+            calls.sort(key=lambda n: (tensors[n][0].untyped_storage().data_ptr(), tensors[n][0].storage_offset()))
+
+            def follows(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+                return _back_to_back(tensors[a][0], tensors[b][0]) and (
+                    len(tensors[a]) == 1 or _side_by_side(tensors[a][1], tensors[b][1]))
+
             run: list[torch.fx.Node] = []
             for node in calls + [None]:
-                if node is not None and (not run or _back_to_back(weights[run[-1]], weights[node])):
+                if node is not None and (not run or follows(run[-1], node)):
                     run.append(node)
                     continue
                 if len(run) >= 2:
-                    self._fuse(graph, module, op, run, [weights[n] for n in run], order, f"_small_linear_fused{fused}")
+                    self._fuse(graph, module, op, run, [tensors[n] for n in run], order, f"_small_linear_fused{fused}")
                     fused += 1
                 run = [node] if node is not None else []
 
     @staticmethod
-    def _fuse(graph, module, op, calls, weights, order, name) -> None:
-        first = weights[0]
-        blocks = sum(w.shape[0] for w in weights)
-        span = first.as_strided((blocks, *first.shape[1:]), first.stride(), first.storage_offset())
-        module.register_buffer(name, span, persistent=False)
+    def _fuse(graph, module, op, calls, operands, order, name) -> None:
+        first = operands[0][0]
+        blocks = sum(w[0].shape[0] for w in operands)
+        spans = [first.as_strided((blocks, *first.shape[1:]), first.stride(), first.storage_offset())]
+        if len(operands[0]) == 2:  # the int8 columns (2, N) over the same span
+            columns = operands[0][1]
+            spans.append(columns.as_strided((2, blocks * BLOCK), columns.stride(), columns.storage_offset()))
+        for i, span in enumerate(spans):
+            module.register_buffer(f"{name}_{i}", span, persistent=False)
         x = calls[0].args[0]
         earliest = min(calls, key=order.__getitem__)
         val = x.meta.get("val")
         with graph.inserting_before(earliest):
-            weight_node = graph.get_attr(name)
-            out = graph.call_function(op, (x, weight_node, None))
+            attrs = [graph.get_attr(f"{name}_{i}") for i in range(len(spans))]
+            out = graph.call_function(op, (x, *attrs, None))
             if val is not None:
                 with val.fake_mode:
                     out.meta["val"] = val.new_empty(*val.shape[:-1], blocks * BLOCK)
             parts, start = [], 0
-            for w in weights:
-                width = w.shape[0] * BLOCK
+            for w in operands:
+                width = w[0].shape[0] * BLOCK
                 part = graph.call_function(torch.ops.aten.slice.Tensor, (out, -1, start, start + width))
                 if val is not None:
                     with val.fake_mode:

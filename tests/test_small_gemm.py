@@ -162,6 +162,16 @@ class KernelCalls(nn.Module):
                 op(x + 1, self.p.o.packed, None))
 
 
+class Int8KernelCalls(KernelCalls):
+    """The same with the int8 copies (use_int8_weights): weight and columns read with get_attr."""
+
+    def forward(self, x):
+        op = torch.ops.drafthead_kernels.small_linear_int8.default
+        p = self.p
+        return (op(x, p.q.int8_weight, p.q.int8_columns, None), op(x, p.k.int8_weight, p.k.int8_columns, None) * 2,
+                op(x, p.v.int8_weight, p.v.int8_columns, None), op(x + 1, p.o.int8_weight, p.o.int8_columns, None))
+
+
 def test_siblings_sharing_an_input_become_one_call_with_bit_identical_results():
     """use_small_row_kernel packs a module's same-width linears back to back in one buffer; the graph pass then
     multiplies the ones that share an input (q, k, v; not o) in one call over that span, sliced per call."""
@@ -186,6 +196,36 @@ def test_siblings_sharing_an_input_become_one_call_with_bit_identical_results():
     after = graph_module(x)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     with small_row_kernel():  # and the modules' own path agrees with both
+        assert torch.equal(projections.k(x) * 2, after[1])
+
+
+def test_int8_siblings_sharing_an_input_become_one_call_with_bit_identical_results():
+    """use_int8_weights lays the siblings' int8 weights back to back and their columns side by side; the graph
+    pass fuses the int8 calls that share an input as it does the bf16 ones."""
+    from inference.small_gemm import FuseSiblingLinears, int8_weights, use_int8_weights
+
+    projections = Projections()
+    assert use_int8_weights(projections) == 4
+    weights = [getattr(projections, name).int8_weight for name in "qkvo"]
+    columns = [getattr(projections, name).int8_columns for name in "qkvo"]
+    assert len({w.untyped_storage().data_ptr() for w in weights}) == 1  # one buffer each, no copy
+    assert [w.storage_offset() for w in weights] == [0, 64 * 64, 96 * 64, 128 * 64]
+    assert [c.storage_offset() for c in columns] == [0, 64, 96, 128] and columns[0].stride() == (192, 1)
+    graph_module = torch.fx.symbolic_trace(Int8KernelCalls(projections))
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    before = graph_module(x)
+
+    def calls():
+        op = torch.ops.drafthead_kernels.small_linear_int8.default
+        return sum(node.target is op for node in graph_module.graph.nodes)
+
+    assert calls() == 4
+    FuseSiblingLinears()(graph_module.graph)
+    graph_module.recompile()
+    assert calls() == 2  # q/k/v in one call, o alone (another input)
+    after = graph_module(x)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    with int8_weights():  # and the modules' own path agrees with both
         assert torch.equal(projections.k(x) * 2, after[1])
 
 
