@@ -12,14 +12,22 @@
 //   max[lane] rises to the block's max: what was summed so far is scaled by e^(old max - new max)
 //   probs = exp(scores - max) (float, rounded to bf16 pairs for the value sums), sums per lane
 //   out[lane] += Σ_j probs[j][lane] · v_j (float); at the end out / sum, rounded to bf16 once.
-// Each output row depends only on its own query, keys and mask row, summed in the same order whatever the number
-// of queries: a token's attention does not depend on the tree verified beside it.
+// Two layouts of the scores, one arithmetic: with many lanes (a tree of queries) a vector holds 16 lanes of one
+// key (each key broadcast); with few (decoding: 3 lanes for SmolLM2's 3 query heads per KV head) a vector of 16
+// lanes of one key would be mostly idle, so a vector holds 16 keys of one lane (the keys transposed to pairs by
+// key, each lane's query broadcast). Either way a lane's score is the same products summed in the same order, its
+// exponentials are summed in one fixed order (sum_partials), and its values weighed alike: each output row
+// depends only on its own query, keys and mask row, whatever the number of queries, so a token's attention does
+// not depend on the tree verified beside it (a token decoded alone and verified in a tree get the same bits).
 //
 // Against the previous two-pass kernel (all scores, then all values; one task per row, KV head and lane set),
 // SmolLM2-135M's shapes (9 heads, 3 KV heads, head_dim 64), one layer, 2-core Zen 4 EPYC, interleaved runs:
 // 1 row over 8k keys, 1 / 4 / 16 queries 0.27 / 0.38 / 1.08 -> 0.22 / 0.31 / 1.02 ms (the threads share the
-// keys); 8 rows over 8k keys 2.64 / 3.38 -> 2.43 / 3.36 ms (bound by reading the 50 MB of keys and values at ~20
-// GB/s: the machine streams ~24 GB/s); 1 row over 1.2k keys unchanged.
+// keys); 8 rows over 8k keys 2.64 / 3.38 -> 2.43 / 3.36 ms; 1 row over 1.2k keys unchanged. Scores by key for few
+// lanes (2026-11-27, same machine kind, medians of 7 interleaved runs of two builds): 8 rows, 1 query, 8k keys
+// 2.55-2.64 -> 2.03-2.09 ms a layer (50 MB of keys and values: ~24 GB/s, what a plain read streams here);
+// 8 rows, 1 query over a 264-slot self-draft cache 59 -> 41 us; 2 queries 8k keys ~-3 %; 4 queries unchanged
+// (12 lanes: scores by key measured 10-20 % slower there).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -33,8 +41,9 @@
 namespace {
 
 constexpr int kLanes = 16;      // (query head, query) pairs per pass over a KV head's keys
+constexpr int kKeyBlock = 8;    // keys scored at once by lane (8 accumulators)
+constexpr int kByKeyLanes = 8;  // at most this many lanes in all: scores by key (16 keys a vector)
 constexpr int kMaxQueries = 16; // queries per call (decoding steps and trees; prompts go elsewhere)
-constexpr int kKeyBlock = 8;    // keys scored at once (8 accumulators)
 constexpr int64_t kChunk = 512;   // keys per block: its keys and values (64 KB each at head_dim 64) stay in L2
 constexpr int64_t kSplit = 4096;  // keys per task: a long context is shared by the threads (a multiple of kChunk)
 constexpr int64_t kAhead = 1024;  // keys ahead of the scoring whose keys and values are prefetched into L2
@@ -63,20 +72,6 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_maskz_mov_ps(alive, _mm512_scalef_ps(p, k));
 }
 
-// scores (kKeyBlock keys × 16 lanes) of keys k[0..kKeys) (row stride ldk) against the packed queries qp[pairs]
-template <int kKeys>
-inline void score_block(const uint16_t* k, int64_t ldk, const __m512bh* qp, int pairs, __m512* out) {
-  __m512 acc[kKeys];
-  for (int t = 0; t < kKeys; ++t) acc[t] = _mm512_setzero_ps();
-  for (int p = 0; p < pairs; ++p) {
-    const __m512bh q = qp[p];
-#pragma GCC unroll 8
-    for (int t = 0; t < kKeys; ++t)
-      acc[t] = _mm512_dpbf16_ps(acc[t], q, (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(k + t * ldk + 2 * p)));
-  }
-  for (int t = 0; t < kKeys; ++t) out[t] = acc[t];
-}
-
 // mask entry j (stride `step`) of a bf16 or float mask row, as float
 inline float mask_entry(const char* src, int64_t j, int64_t step, bool float_mask) {
   if (float_mask) return reinterpret_cast<const float*>(src)[j * step];
@@ -100,6 +95,19 @@ inline bool any_nonzero(const char* src, int64_t count, int64_t step, bool float
   return false;
 }
 
+// scores (kKeyBlock keys × 16 lanes) of keys k[0..kKeys) (row stride ldk) against the packed queries qp[pairs]
+template <int kKeys>
+inline void score_block(const uint16_t* k, int64_t ldk, const __m512bh* qp, int pairs, __m512* out) {
+  __m512 acc[kKeys];
+  for (int t = 0; t < kKeys; ++t) acc[t] = _mm512_setzero_ps();
+  for (int p = 0; p < pairs; ++p) {
+    const __m512bh q = (__m512bh)_mm512_loadu_si512(qp + p);
+#pragma GCC unroll 8
+    for (int t = 0; t < kKeys; ++t)
+      acc[t] = _mm512_dpbf16_ps(acc[t], q, (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(k + t * ldk + 2 * p)));
+  }
+  for (int t = 0; t < kKeys; ++t) out[t] = acc[t];
+}
 // the same for a lane set of at most 8 lanes, at half the vector width (half the work on CPUs that split 512-bit
 // operations in two); lanes 8-15 of the result are zero
 template <int kKeys>
@@ -107,7 +115,7 @@ inline void score_block_half(const uint16_t* k, int64_t ldk, const __m512bh* qp,
   __m256 acc[kKeys];
   for (int t = 0; t < kKeys; ++t) acc[t] = _mm256_setzero_ps();
   for (int p = 0; p < pairs; ++p) {
-    const __m256bh q = (__m256bh)_mm256_load_si256(reinterpret_cast<const __m256i*>(qp + p));
+    const __m256bh q = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qp + p));
 #pragma GCC unroll 8
     for (int t = 0; t < kKeys; ++t)
       acc[t] = _mm256_dpbf16_ps(acc[t], q,
@@ -115,7 +123,6 @@ inline void score_block_half(const uint16_t* k, int64_t ldk, const __m512bh* qp,
   }
   for (int t = 0; t < kKeys; ++t) out[t] = _mm512_zextps256_ps512(acc[t]);
 }
-
 // probabilities of two keys as bf16 pairs per lane: pair[lane] = (p0[lane], p1[lane]) (the operand layout of
 // vdpbf16ps over two keys)
 inline __m512i pair_probs(__m512 p0, __m512 p1) {
@@ -125,15 +132,94 @@ inline __m512i pair_probs(__m512 p0, __m512 p1) {
   return _mm512_permutexvar_epi16(interleave, both);
 }
 
-// acc rows (kRows lanes from lane0) += Σ_j probs[j][lane] · v_j over key pairs (probs as bf16 pairs per lane, row
-// `pair_stride` apart per key pair; values interleaved pairwise in registers); kVec = head_dim / 16. The rows are
-// kept in the order unpacklo/unpackhi leave a row's outputs ("raw" order, restored by store_row).
+// A lane's sum of a chunk's exponentials is summed in one order whichever way its scores were laid out: 16 partial
+// sums by key (key index mod 16, keys in order), then a fixed tree: (i, i + 8), (i, i + 4), (i, i + 2), (0, 1).
+// Lane by lane over 16 vectors of partial sums (scores by lane):
+inline __m512 sum_partials(const __m512* partial) {
+  __m512 half[8];
+  for (int i = 0; i < 8; ++i) half[i] = _mm512_add_ps(partial[i], partial[i + 8]);
+  for (int i = 0; i < 4; ++i) half[i] = _mm512_add_ps(half[i], half[i + 4]);
+  for (int i = 0; i < 2; ++i) half[i] = _mm512_add_ps(half[i], half[i + 2]);
+  return _mm512_add_ps(half[0], half[1]);
+}
+
+// and within one vector of 16 partial sums (scores by key)
+inline float sum_partials(__m512 partial) {
+  alignas(64) float x[16];
+  _mm512_store_ps(x, partial);
+  for (int i = 0; i < 8; ++i) x[i] += x[i + 8];
+  for (int i = 0; i < 4; ++i) x[i] += x[i + 4];
+  for (int i = 0; i < 2; ++i) x[i] += x[i + 2];
+  return x[0] + x[1];
+}
+
+// out[c] = dword c of rows in[0..16): a 16 × 16 transpose of 32-bit elements (in 64 shuffles)
+inline void transpose16(const __m512i* in, __m512i* out) {
+  __m512i a[16], b[16];
+  for (int k = 0; k < 8; ++k) {  // a[2k] lane L: rows 2k, 2k+1 of columns 4L, 4L+1; a[2k+1]: of 4L+2, 4L+3
+    a[2 * k] = _mm512_unpacklo_epi32(in[2 * k], in[2 * k + 1]);
+    a[2 * k + 1] = _mm512_unpackhi_epi32(in[2 * k], in[2 * k + 1]);
+  }
+  for (int m = 0; m < 4; ++m) {  // b[4m + t] lane L: rows 4m..4m+3 of column 4L + t
+    b[4 * m] = _mm512_unpacklo_epi64(a[4 * m], a[4 * m + 2]);
+    b[4 * m + 1] = _mm512_unpackhi_epi64(a[4 * m], a[4 * m + 2]);
+    b[4 * m + 2] = _mm512_unpacklo_epi64(a[4 * m + 1], a[4 * m + 3]);
+    b[4 * m + 3] = _mm512_unpackhi_epi64(a[4 * m + 1], a[4 * m + 3]);
+  }
+  for (int t = 0; t < 4; ++t) {  // out[4L + t] lane m = b[4m + t] lane L: a 4 × 4 transpose of 128-bit lanes
+    const __m512i c0 = _mm512_shuffle_i32x4(b[t], b[4 + t], 0x44), c1 = _mm512_shuffle_i32x4(b[t], b[4 + t], 0xEE);
+    const __m512i c2 = _mm512_shuffle_i32x4(b[8 + t], b[12 + t], 0x44);
+    const __m512i c3 = _mm512_shuffle_i32x4(b[8 + t], b[12 + t], 0xEE);
+    out[t] = _mm512_shuffle_i32x4(c0, c2, 0x88);
+    out[4 + t] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
+    out[8 + t] = _mm512_shuffle_i32x4(c1, c3, 0x88);
+    out[12 + t] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
+  }
+}
+
+// keys k[0..count) (row stride ldk, count <= 16; missing keys read as zeros) as bf16 pairs by key: kt[p] lane j =
+// (k_j[2p], k_j[2p + 1])
+inline void key_pairs_by_key(const uint16_t* k, int64_t ldk, int64_t count, int pairs, __m512i* kt) {
+  __m512i rows[16];
+  for (int p0 = 0; p0 < pairs; p0 += 16) {
+    for (int j = 0; j < 16; ++j)
+      rows[j] = j < count ? _mm512_loadu_si512(k + j * ldk + 2 * p0) : _mm512_setzero_si512();
+    transpose16(rows, kt + p0);
+  }
+}
+
+// scores of kLanes (query head, query) lanes against 16 keys: out[l] lane j = dot(k_j, q_l) in float, from the
+// keys' pairs by key (kt) and each lane's query pairs (qpairs[p * 16 + l] = (q_l[2p], q_l[2p + 1]))
+template <int kLanesNow>
+inline void score_keys(const __m512i* kt, const int32_t* qpairs, int pairs, __m512* out) {
+  __m512 acc[kLanesNow];
+  for (int l = 0; l < kLanesNow; ++l) acc[l] = _mm512_setzero_ps();
+  for (int p = 0; p < pairs; ++p) {
+    const __m512bh keys = (__m512bh)kt[p];
+    const int32_t* qp = qpairs + p * kLanes;
+#pragma GCC unroll 16
+    for (int l = 0; l < kLanesNow; ++l) acc[l] = _mm512_dpbf16_ps(acc[l], keys, (__m512bh)_mm512_set1_epi32(qp[l]));
+  }
+  for (int l = 0; l < kLanesNow; ++l) out[l] = acc[l];
+}
+
+using ScoreKeys = void (*)(const __m512i*, const int32_t*, int, __m512*);
+const ScoreKeys kScoreKeys[kLanes + 1] = {
+    nullptr,        score_keys<1>,  score_keys<2>,  score_keys<3>,  score_keys<4>,  score_keys<5>,
+    score_keys<6>,  score_keys<7>,  score_keys<8>,  score_keys<9>,  score_keys<10>, score_keys<11>,
+    score_keys<12>, score_keys<13>, score_keys<14>, score_keys<15>, score_keys<16>};
+
+// acc rows (kRows lanes from lane0) += Σ_j probs[j][lane] · v_j over key pairs (probs as bf16 pairs of keys,
+// lane l's of key pair jp at pairs[l * lane_stride + jp * pair_stride]; values interleaved pairwise in registers);
+// kVec = head_dim / 16. The rows are kept in the order unpacklo/unpackhi leave a row's outputs ("raw" order, restored by
+// store_row).
 template <int kVec, int kRows>
-void weigh_values(const int32_t* pairs, int64_t pair_stride, int lane0, const uint16_t* v, int64_t ldv,
-                  int64_t key_pairs, float* acc_rows) {
+void weigh_values(const int32_t* pairs, int64_t pair_stride, int64_t lane_stride, int lane0, const uint16_t* v,
+                  int64_t ldv, int64_t key_pairs, float* acc_rows) {
   __m512 acc[kRows][kVec];
   for (int r = 0; r < kRows; ++r)
     for (int c = 0; c < kVec; ++c) acc[r][c] = _mm512_loadu_ps(acc_rows + ((lane0 + r) * kVec + c) * 16);
+  const int32_t* lanes = pairs + lane0 * lane_stride;
   for (int64_t jp = 0; jp < key_pairs; ++jp) {
     const uint16_t* v0 = v + 2 * jp * ldv;
     const uint16_t* v1 = v0 + ldv;
@@ -143,10 +229,9 @@ void weigh_values(const int32_t* pairs, int64_t pair_stride, int lane0, const ui
       vv[2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
       vv[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
     }
-    const int32_t* pj = pairs + jp * pair_stride + lane0;
 #pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r) {
-      const __m512bh p = (__m512bh)_mm512_set1_epi32(pj[r]);
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(lanes[r * lane_stride + jp * pair_stride]);
       for (int c = 0; c < kVec; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], p, vv[c]);
     }
   }
@@ -155,15 +240,15 @@ void weigh_values(const int32_t* pairs, int64_t pair_stride, int lane0, const ui
 }
 
 template <int kVec>
-void weigh_all(const int32_t* pairs, int64_t pair_stride, int lanes, const uint16_t* v, int64_t ldv,
-               int64_t key_pairs, float* acc_rows) {
+void weigh_all(const int32_t* pairs, int64_t pair_stride, int64_t lane_stride, int lanes, const uint16_t* v,
+               int64_t ldv, int64_t key_pairs, float* acc_rows) {
   constexpr int kRows = 24 / kVec;  // kRows·kVec accumulators + kVec values in 32 registers
   int lane0 = 0;
   for (; lane0 + kRows <= lanes; lane0 += kRows)
-    weigh_values<kVec, kRows>(pairs, pair_stride, lane0, v, ldv, key_pairs, acc_rows);
+    weigh_values<kVec, kRows>(pairs, pair_stride, lane_stride, lane0, v, ldv, key_pairs, acc_rows);
   switch (lanes - lane0) {  // the rest, without idle accumulators
     case 0: break;
-#define REST(k) case k: if constexpr (k < kRows) weigh_values<kVec, k>(pairs, pair_stride, lane0, v, ldv, key_pairs, acc_rows); break;
+#define REST(k) case k: if constexpr (k < kRows) weigh_values<kVec, k>(pairs, pair_stride, lane_stride, lane0, v, ldv, key_pairs, acc_rows); break;
     REST(1) REST(2) REST(3) REST(4) REST(5) REST(6) REST(7) REST(8) REST(9) REST(10) REST(11)
 #undef REST
   }
@@ -249,52 +334,53 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
   const int64_t set_tasks = pieces < 4 * at::get_num_threads() ? lane_sets : 1;
   const int64_t tasks = pieces * set_tasks;
 
+  // few lanes (decoding: one query per sequence): scores with the keys along the vector (16 keys a vector, each
+  // lane's query broadcast), where scores by lane (16 lanes a vector, each key broadcast) would leave most of a
+  // vector idle; the arithmetic of a lane is the same either way (the same products summed in the same order)
+  const bool by_key = lanes_total <= kByKeyLanes;
+  const int64_t pair_stride = by_key ? 1 : lanes_pad, lane_stride = by_key ? kChunk / 2 : 1;
+
   at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
-    thread_local std::vector<__m512> scores_buffer, stats;
-    thread_local std::vector<__m512i> pairs_buffer, gathers;
-    thread_local std::vector<__m512bh> packed_queries;
-    thread_local std::vector<float> acc_buffer, mask_block;
-    scores_buffer.resize(static_cast<size_t>(kChunk + 2));
-    pairs_buffer.resize(static_cast<size_t>(kChunk / 2 * lane_sets));
-    gathers.resize(static_cast<size_t>(lane_sets));
-    packed_queries.resize(static_cast<size_t>(lane_sets * pairs));
-    stats.resize(static_cast<size_t>(2 * lane_sets));  // running max, running sum per lane set
+    constexpr int64_t kBlocks = kChunk / kLanes;  // blocks of 16 keys in a chunk
+    thread_local std::vector<__m512i> keys_by_key;  // by key: a block of 16 keys as pairs by key
+    thread_local std::vector<__m512> scores_buffer, best;
+    thread_local std::vector<int32_t> query_pairs, pairs_buffer;
+    thread_local std::vector<float> acc_buffer, mask_block, run_max, run_sum;
+    keys_by_key.resize(static_cast<size_t>(pairs));
+    // by key: [lane][block] (16 keys a vector); by lane: [key] (16 lanes a vector), one lane set at a time
+    scores_buffer.resize(static_cast<size_t>(std::max<int64_t>(lanes_pad * kBlocks, kChunk + 2)));
+    best.resize(static_cast<size_t>(lanes_pad));
+    query_pairs.resize(static_cast<size_t>(lane_sets * pairs * kLanes));
+    pairs_buffer.resize(static_cast<size_t>(lanes_pad * kChunk / 2));
     acc_buffer.resize(static_cast<size_t>(lanes_pad * dim));
-    mask_block.resize(static_cast<size_t>(kChunk * kLanes));
+    mask_block.resize(static_cast<size_t>(std::max<int64_t>(n, kLanes) * kChunk));
+    run_max.resize(static_cast<size_t>(lanes_pad));
+    run_sum.resize(static_cast<size_t>(lanes_pad));
     __m512* scores = scores_buffer.data();
-    int32_t* pairs_p = reinterpret_cast<int32_t*>(pairs_buffer.data());
+    int32_t* pairs_p = pairs_buffer.data();  // bf16 probabilities of key pairs: lane l, pair jp at l·lane_stride +
+                                             // jp·pair_stride
     float* acc = acc_buffer.data();
-    float* mq = mask_block.data();
-    alignas(64) int32_t packed[kLanes];
+    float* mq = mask_block.data();  // the chunk's mask as float: by key [query][key], by lane [key][query]
     alignas(64) int32_t lane_query[kLanes];
-    alignas(64) float factor[kLanes];
     for (int64_t task = first; task < last; ++task) {
       const int64_t piece = task / set_tasks;  // (row, KV head, span)
       const int64_t b = piece / (kv_heads * spans), kvh = (piece / spans) % kv_heads, span = piece % spans;
       const int64_t set0 = set_tasks == 1 ? 0 : task % set_tasks, set1 = set_tasks == 1 ? lane_sets : set0 + 1;
       const int64_t lane0 = set0 * kLanes, lane1 = std::min<int64_t>(lanes_total, set1 * kLanes);
       const int64_t k0 = span * kSplit, k1 = std::min<int64_t>(used, k0 + kSplit);
-      // pack each lane set's queries as bf16 pairs: lane l of packed_queries[set][p] = (q[2p], q[2p+1]) of
-      // (query head, query) set·16 + l
-      for (int64_t set = set0; set < set1; ++set) {
-        for (int l = 0; l < kLanes; ++l) {
-          const int64_t flat = set * kLanes + l;
-          lane_query[l] = flat < lanes_total ? static_cast<int32_t>(flat % n) : 0;
-        }
-        gathers[set] = _mm512_load_si512(lane_query);
+      // each lane's query as bf16 pairs: query_pairs[(set · pairs + p) · 16 + l] = (q[2p], q[2p+1]) of
+      // (query head, query) set·16 + l (zero past the last lane): by lane, vector set · pairs + p
+      std::fill(query_pairs.begin() + set0 * pairs * kLanes, query_pairs.begin() + set1 * pairs * kLanes, 0);
+      for (int64_t flat = lane0; flat < lane1; ++flat) {
+        const uint16_t* row = q + b * qs0 + (kvh * groups + flat / n) * qs1 + (flat % n) * qs2;
+        const int64_t set = flat / kLanes, l = flat % kLanes;
         for (int64_t p = 0; p < pairs; ++p) {
-          for (int l = 0; l < kLanes; ++l) {
-            const int64_t flat = set * kLanes + l;
-            const uint16_t* row =
-                flat < lanes_total ? q + b * qs0 + (kvh * groups + flat / n) * qs1 + (flat % n) * qs2 : nullptr;
-            const uint32_t lo = row ? row[2 * p * qs3] : 0, hi = row ? row[(2 * p + 1) * qs3] : 0;
-            packed[l] = static_cast<int32_t>(lo | (hi << 16));
-          }
-          packed_queries[set * pairs + p] = (__m512bh)_mm512_load_si512(packed);
+          const uint32_t lo = row[2 * p * qs3], hi = row[(2 * p + 1) * qs3];
+          query_pairs[(set * pairs + p) * kLanes + l] = static_cast<int32_t>(lo | (hi << 16));
         }
-        stats[2 * set] = _mm512_set1_ps(-INFINITY);
-        stats[2 * set + 1] = _mm512_setzero_ps();
       }
+      std::fill(run_max.begin(), run_max.end(), -INFINITY);
+      std::fill(run_sum.begin(), run_sum.end(), 0.0f);
       std::fill(acc_buffer.begin(), acc_buffer.end(), 0.0f);
       const uint16_t* keys = kp + (b * kv_heads + kvh) * slots * dim;
       const uint16_t* values = vp + (b * kv_heads + kvh) * slots * dim;
@@ -302,9 +388,9 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
       const __m512 vscale = _mm512_set1_ps(scale);
 
       for (int64_t c0 = k0; c0 < k1; c0 += kChunk) {
-        const int64_t count = std::min<int64_t>(kChunk, k1 - c0);
-        // the block's mask entries as float, one vector of the queries' entries per key; none when they are all
-        // zero (the committed prefix of a row: only tree slots and padding are masked)
+        const int64_t count = std::min<int64_t>(kChunk, k1 - c0), blocks = (count + kLanes - 1) / kLanes;
+        // the chunk's mask entries as float; none when they are all zero (the committed prefix of a row: only
+        // tree slots and padding are masked)
         bool masked = false;
         for (int64_t i = 0; i < n && !masked; ++i) {
           const char* src = mask_row + (i * ms2 + c0 * ms3) * mask_item;
@@ -312,86 +398,140 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
         }
         for (int64_t i = 0; masked && i < n; ++i) {
           const char* src = mask_row + (i * ms2 + c0 * ms3) * mask_item;
-          for (int64_t j = 0; j < count; ++j) mq[j * kLanes + i] = mask_entry(src, j, ms3, float_mask);
+          for (int64_t j = 0; j < count; ++j) {
+            const float entry = mask_entry(src, j, ms3, float_mask);
+            if (by_key) mq[i * kChunk + j] = entry;
+            else mq[j * kLanes + i] = entry;
+          }
         }
-        for (int64_t set = set0; set < set1; ++set) {
-          const __m512bh* qp = packed_queries.data() + set * pairs;
-          const __m512i gather = gathers[set];
-          // scores, scaled and masked, and the block's max per lane
-          __m512 best = _mm512_set1_ps(-INFINITY);
-          __m512 block[kKeyBlock];
-          auto keep = [&](int64_t j, int keys_in_block) {
-            for (int t = 0; t < keys_in_block; ++t) {
-              const __m512 s =
-                  masked ? _mm512_fmadd_ps(block[t], vscale,
-                                           _mm512_permutexvar_ps(gather, _mm512_loadu_ps(mq + (j + t) * kLanes)))
-                         : _mm512_mul_ps(block[t], vscale);
-              best = _mm512_max_ps(best, s);
-              scores[j + t] = s;
+        const __mmask16 tail = count % kLanes ? static_cast<__mmask16>((1u << (count % kLanes)) - 1) : 0xFFFF;
+        // the max of each lane's scores over the chunk rises: rescale what was summed so far (e^(old - new); 0
+        // while nothing was seen); then the chunk's exponentials are summed by key (sum_partials)
+        auto rescale = [&](int64_t flat, float chunk_max) {
+          const float old_max = run_max[flat], new_max = std::max(old_max, chunk_max);
+          if (new_max == old_max) return;
+          alignas(64) float shrink[kLanes];
+          _mm512_store_ps(shrink, exp_nonpositive(_mm512_set1_ps(old_max - new_max)));
+          run_sum[flat] *= shrink[0];
+          const __m512 f = _mm512_set1_ps(shrink[0]);
+          float* row = acc + flat * dim;
+          for (int64_t c = 0; c < dim; c += 16) _mm512_storeu_ps(row + c, _mm512_mul_ps(_mm512_loadu_ps(row + c), f));
+          run_max[flat] = new_max;
+        };
+        if (by_key) {
+          // per block of 16 keys: its keys as pairs by key, then every lane's scores, scaled and masked (keys past
+          // the chunk: -inf), and each lane's max
+          for (int64_t flat = lane0; flat < lane1; ++flat) best[flat] = _mm512_set1_ps(-INFINITY);
+          for (int64_t blk = 0; blk < blocks; ++blk) {
+            // (no prefetching here: the hardware prefetcher keeps up with this path's row-by-row reads, and
+            // explicit prefetches cost it 10-20 % at 8 rows × 8k keys)
+            const int64_t j = c0 + blk * kLanes;
+            key_pairs_by_key(keys + j * dim, dim, std::min<int64_t>(kLanes, c0 + count - j), static_cast<int>(pairs),
+                             keys_by_key.data());
+            const __mmask16 live = blk == blocks - 1 ? tail : 0xFFFF;
+            const int lanes = static_cast<int>(lane1 - lane0);  // one lane set
+            alignas(64) __m512 block[kLanes];
+            kScoreKeys[lanes](keys_by_key.data(), query_pairs.data() + set0 * pairs * kLanes, static_cast<int>(pairs),
+                              block);
+            for (int l = 0; l < lanes; ++l) {
+              const int64_t flat = lane0 + l;
+              __m512 s = masked ? _mm512_fmadd_ps(block[l], vscale, _mm512_loadu_ps(mq + flat % n * kChunk + blk * kLanes))
+                                : _mm512_mul_ps(block[l], vscale);
+              s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, s);
+              best[flat] = _mm512_max_ps(best[flat], s);
+              scores[flat * kBlocks + blk] = s;
             }
-          };
-          const bool half = lanes_total - set * kLanes <= kLanes / 2;
-          const int pair_count = static_cast<int>(pairs);
-          int64_t j = 0;
-          for (; j + kKeyBlock <= count; j += kKeyBlock) {
-            if (set == set0 && c0 + j + kAhead + kKeyBlock <= k1) {  // the hardware prefetcher alone leaves gaps
-              const char* kn = reinterpret_cast<const char*>(keys + (c0 + j + kAhead) * dim);
-              const char* vn = reinterpret_cast<const char*>(values + (c0 + j + kAhead) * dim);
-              for (int64_t line = 0; line < kKeyBlock * dim * 2; line += 64) {
-                _mm_prefetch(kn + line, _MM_HINT_T1);
-                _mm_prefetch(vn + line, _MM_HINT_T1);
+          }
+          for (int64_t flat = lane0; flat < lane1; ++flat) {
+            rescale(flat, _mm512_reduce_max_ps(best[flat]));
+            // exponentials (keys past the chunk: 0), summed by key, and as bf16 pairs of keys for the values
+            const __m512 top = _mm512_set1_ps(run_max[flat]);
+            __m512 partial = _mm512_setzero_ps();
+            int32_t* lane_pairs = pairs_p + flat * lane_stride;
+            for (int64_t blk = 0; blk < blocks; ++blk) {
+              const __m512 e = exp_nonpositive(_mm512_sub_ps(scores[flat * kBlocks + blk], top));
+              partial = _mm512_add_ps(partial, e);
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(lane_pairs + blk * kLanes / 2),
+                                  (__m256i)_mm512_cvtneps_pbh(e));
+            }
+            run_sum[flat] += sum_partials(partial);
+          }
+        } else {
+          for (int64_t set = set0; set < set1; ++set) {
+            const __m512bh* qp = reinterpret_cast<const __m512bh*>(query_pairs.data() + set * pairs * kLanes);
+            for (int l = 0; l < kLanes; ++l) lane_query[l] = static_cast<int32_t>((set * kLanes + l) % n);
+            const __m512i gather = _mm512_load_si512(lane_query);
+            // scores, scaled and masked (keys past the chunk: -inf), and the chunk's max per lane
+            __m512 top = _mm512_set1_ps(-INFINITY);
+            __m512 block[kKeyBlock];
+            auto keep = [&](int64_t j, int keys_in_block) {
+              for (int t = 0; t < keys_in_block; ++t) {
+                const __m512 s =
+                    masked ? _mm512_fmadd_ps(block[t], vscale,
+                                             _mm512_permutexvar_ps(gather, _mm512_loadu_ps(mq + (j + t) * kLanes)))
+                           : _mm512_mul_ps(block[t], vscale);
+                top = _mm512_max_ps(top, s);
+                scores[j + t] = s;
+              }
+            };
+            const bool half = lanes_total - set * kLanes <= kLanes / 2;
+            const int pair_count = static_cast<int>(pairs);
+            int64_t j = 0;
+            for (; j + kKeyBlock <= count; j += kKeyBlock) {
+              if (set == set0 && c0 + j + kAhead + kKeyBlock <= k1) {  // the hardware prefetcher alone leaves gaps
+                const char* kn = reinterpret_cast<const char*>(keys + (c0 + j + kAhead) * dim);
+                const char* vn = reinterpret_cast<const char*>(values + (c0 + j + kAhead) * dim);
+                for (int64_t line = 0; line < kKeyBlock * dim * 2; line += 64) {
+                  _mm_prefetch(kn + line, _MM_HINT_T1);
+                  _mm_prefetch(vn + line, _MM_HINT_T1);
+                }
+              }
+              if (half) score_block_half<kKeyBlock>(keys + (c0 + j) * dim, dim, qp, pair_count, block);
+              else score_block<kKeyBlock>(keys + (c0 + j) * dim, dim, qp, pair_count, block);
+              keep(j, kKeyBlock);
+            }
+            for (; j < count; ++j) {
+              score_block<1>(keys + (c0 + j) * dim, dim, qp, pair_count, block);
+              keep(j, 1);
+            }
+            for (; j < blocks * kLanes; ++j) scores[j] = _mm512_set1_ps(-INFINITY);  // pad keys: weight 0
+            alignas(64) float tops[kLanes];
+            _mm512_store_ps(tops, top);
+            for (int l = 0; l < kLanes; ++l) rescale(set * kLanes + l, tops[l]);  // (padding lanes: finite)
+            const int lanes = static_cast<int>(std::min<int64_t>(kLanes, lanes_total - set * kLanes));
+            // exponentials as bf16 pairs of keys, summed by key (16 partial sums, as scores by key sum them)
+            const __m512 new_max = _mm512_loadu_ps(run_max.data() + set * kLanes);
+            __m512 partial[kLanes];
+            for (int k = 0; k < kLanes; ++k) partial[k] = _mm512_setzero_ps();
+            for (int64_t blk = 0; blk < blocks; ++blk) {
+#pragma GCC unroll 8
+              for (int t = 0; t < kLanes / 2; ++t) {
+                const int64_t jp = blk * kLanes / 2 + t;
+                const __m512 e0 = exp_nonpositive(_mm512_sub_ps(scores[2 * jp], new_max));
+                const __m512 e1 = exp_nonpositive(_mm512_sub_ps(scores[2 * jp + 1], new_max));
+                partial[2 * t] = _mm512_add_ps(partial[2 * t], e0);
+                partial[2 * t + 1] = _mm512_add_ps(partial[2 * t + 1], e1);
+                _mm512_storeu_si512(pairs_p + jp * pair_stride + set * kLanes, pair_probs(e0, e1));
               }
             }
-            if (half) score_block_half<kKeyBlock>(keys + (c0 + j) * dim, dim, qp, pair_count, block);
-            else score_block<kKeyBlock>(keys + (c0 + j) * dim, dim, qp, pair_count, block);
-            keep(j, kKeyBlock);
+            alignas(64) float sums[kLanes];
+            _mm512_store_ps(sums, sum_partials(partial));
+            for (int l = 0; l < lanes; ++l) run_sum[set * kLanes + l] += sums[l];
           }
-          for (; j < count; ++j) {
-            score_block<1>(keys + (c0 + j) * dim, dim, qp, pair_count, block);
-            keep(j, 1);
-          }
-          if (count % 2) scores[count] = _mm512_set1_ps(-INFINITY);  // a zero-weight pad key
-          // the running max rises: rescale what was summed so far (e^(old - new); 0 while nothing was seen)
-          const __m512 old_max = stats[2 * set], new_max = _mm512_max_ps(old_max, best);
-          const __mmask16 rose = _mm512_cmp_ps_mask(new_max, old_max, _CMP_NEQ_OQ);
-          __m512 total = stats[2 * set + 1];
-          if (rose) {
-            const __m512 shrink = exp_nonpositive(_mm512_sub_ps(old_max, new_max));
-            total = _mm512_mul_ps(total, shrink);
-            _mm512_store_ps(factor, shrink);
-            const int lanes = static_cast<int>(std::min<int64_t>(kLanes, lanes_total - set * kLanes));
-            for (int l = 0; l < lanes; ++l) {
-              if (!((rose >> l) & 1)) continue;
-              const __m512 f = _mm512_set1_ps(factor[l]);
-              float* row = acc + (set * kLanes + l) * dim;
-              for (int64_t c = 0; c < dim; c += 16)
-                _mm512_storeu_ps(row + c, _mm512_mul_ps(_mm512_loadu_ps(row + c), f));
-            }
-          }
-          // exponentials as bf16 pairs of keys, and their sums per lane
-          for (int64_t jp = 0; jp < (count + 1) / 2; ++jp) {
-            const __m512 e0 = exp_nonpositive(_mm512_sub_ps(scores[2 * jp], new_max));
-            const __m512 e1 = exp_nonpositive(_mm512_sub_ps(scores[2 * jp + 1], new_max));
-            total = _mm512_add_ps(total, _mm512_add_ps(e0, e1));
-            _mm512_storeu_si512(pairs_p + (jp * lane_sets + set) * kLanes, pair_probs(e0, e1));
-          }
-          stats[2 * set] = new_max;
-          stats[2 * set + 1] = total;
         }
-        // weighted values (an odd last key is paired with zeros: the pad slot may lie past the buffer)
+        // weighted values (an odd last key alone: the pad slot may lie past the buffer)
         const uint16_t* block_values = values + c0 * dim;
-        const int64_t whole_pairs = count / 2, stride = lanes_pad;
+        const int64_t whole_pairs = count / 2;
         const int lanes = static_cast<int>(lane1 - lane0);
-        const int32_t* task_pairs = pairs_p + lane0;
+        const int32_t* task_pairs = pairs_p + lane0 * lane_stride;
         float* task_acc = acc + lane0 * dim;
-        if (dim == 32) weigh_all<2>(task_pairs, stride, lanes, block_values, dim, whole_pairs, task_acc);
-        else if (dim == 64) weigh_all<4>(task_pairs, stride, lanes, block_values, dim, whole_pairs, task_acc);
-        else weigh_all<8>(task_pairs, stride, lanes, block_values, dim, whole_pairs, task_acc);
+        if (dim == 32) weigh_all<2>(task_pairs, pair_stride, lane_stride, lanes, block_values, dim, whole_pairs, task_acc);
+        else if (dim == 64) weigh_all<4>(task_pairs, pair_stride, lane_stride, lanes, block_values, dim, whole_pairs, task_acc);
+        else weigh_all<8>(task_pairs, pair_stride, lane_stride, lanes, block_values, dim, whole_pairs, task_acc);
         if (count % 2) {  // the last key alone: weight its lane's bf16 probability (the pair's first half)
           const uint16_t* v_last = block_values + (count - 1) * dim;
-          const int32_t* p_last = task_pairs + whole_pairs * stride;
           for (int l = 0; l < lanes; ++l) {
-            uint32_t bits = static_cast<uint32_t>(p_last[l]) << 16;
+            uint32_t bits = static_cast<uint32_t>(task_pairs[l * lane_stride + whole_pairs * pair_stride]) << 16;
             float w;
             std::memcpy(&w, &bits, sizeof w);
             const __m512 wv = _mm512_set1_ps(w);
@@ -409,21 +549,14 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
         }
       }
 
-      alignas(64) float maxes[kLanes], totals[kLanes];
-      for (int64_t set = set0; set < set1; ++set) {
-        _mm512_store_ps(maxes, stats[2 * set]);
-        _mm512_store_ps(totals, stats[2 * set + 1]);
-        const int lanes = static_cast<int>(std::min<int64_t>(kLanes, lanes_total - set * kLanes));
-        for (int l = 0; l < lanes; ++l) {
-          const int64_t flat = set * kLanes + l;
-          if (spans == 1) {
-            store_row(acc + flat * dim, dim, 1.0f / totals[l],
-                      o + ((b * n + flat % n) * heads + kvh * groups + flat / n) * dim);
-          } else {
-            span_max[piece * lanes_pad + flat] = maxes[l];
-            span_sum[piece * lanes_pad + flat] = totals[l];
-            std::memcpy(span_acc.data() + (piece * lanes_pad + flat) * dim, acc + flat * dim, dim * sizeof(float));
-          }
+      for (int64_t flat = lane0; flat < lane1; ++flat) {
+        if (spans == 1) {
+          store_row(acc + flat * dim, dim, 1.0f / run_sum[flat],
+                    o + ((b * n + flat % n) * heads + kvh * groups + flat / n) * dim);
+        } else {
+          span_max[piece * lanes_pad + flat] = run_max[flat];
+          span_sum[piece * lanes_pad + flat] = run_sum[flat];
+          std::memcpy(span_acc.data() + (piece * lanes_pad + flat) * dim, acc + flat * dim, dim * sizeof(float));
         }
       }
     }
