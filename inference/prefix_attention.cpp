@@ -342,25 +342,31 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
 
   at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
     constexpr int64_t kBlocks = kChunk / kLanes;  // blocks of 16 keys in a chunk
-    thread_local std::vector<__m512i> keys_by_key;  // by key: a block of 16 keys as pairs by key
-    thread_local std::vector<__m512> scores_buffer, best;
-    thread_local std::vector<int32_t> query_pairs, pairs_buffer;
-    thread_local std::vector<float> acc_buffer, mask_block, run_max, run_sum;
-    keys_by_key.resize(static_cast<size_t>(pairs));
+    thread_local std::vector<__m512i> keys_buffer;  // by key: a block of 16 keys as pairs by key
+    thread_local std::vector<__m512> scores_buffer, best_buffer;
+    thread_local std::vector<int32_t> queries_buffer, pairs_buffer;
+    thread_local std::vector<float> acc_buffer, mask_block, max_buffer, sum_buffer;
+    keys_buffer.resize(static_cast<size_t>(pairs));
     // by key: [lane][block] (16 keys a vector); by lane: [key] (16 lanes a vector), one lane set at a time
     scores_buffer.resize(static_cast<size_t>(std::max<int64_t>(lanes_pad * kBlocks, kChunk + 2)));
-    best.resize(static_cast<size_t>(lanes_pad));
-    query_pairs.resize(static_cast<size_t>(lane_sets * pairs * kLanes));
+    best_buffer.resize(static_cast<size_t>(lanes_pad));
+    queries_buffer.resize(static_cast<size_t>(lane_sets * pairs * kLanes));
     pairs_buffer.resize(static_cast<size_t>(lanes_pad * kChunk / 2));
     acc_buffer.resize(static_cast<size_t>(lanes_pad * dim));
     mask_block.resize(static_cast<size_t>(std::max<int64_t>(n, kLanes) * kChunk));
-    run_max.resize(static_cast<size_t>(lanes_pad));
-    run_sum.resize(static_cast<size_t>(lanes_pad));
+    max_buffer.resize(static_cast<size_t>(lanes_pad));
+    sum_buffer.resize(static_cast<size_t>(lanes_pad));
+    // (plain pointers: a thread_local's address is looked up again at each use)
+    __m512i* keys_by_key = keys_buffer.data();
     __m512* scores = scores_buffer.data();
+    __m512* best = best_buffer.data();  // by key: each lane's max so far in the chunk, per key position
+    int32_t* query_pairs = queries_buffer.data();
     int32_t* pairs_p = pairs_buffer.data();  // bf16 probabilities of key pairs: lane l, pair jp at l·lane_stride +
                                              // jp·pair_stride
     float* acc = acc_buffer.data();
     float* mq = mask_block.data();  // the chunk's mask as float: by key [query][key], by lane [key][query]
+    float* run_max = max_buffer.data();  // per lane: the running max and sum of its exponentials
+    float* run_sum = sum_buffer.data();
     alignas(64) int32_t lane_query[kLanes];
     for (int64_t task = first; task < last; ++task) {
       const int64_t piece = task / set_tasks;  // (row, KV head, span)
@@ -370,7 +376,7 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
       const int64_t k0 = span * kSplit, k1 = std::min<int64_t>(used, k0 + kSplit);
       // each lane's query as bf16 pairs: query_pairs[(set · pairs + p) · 16 + l] = (q[2p], q[2p+1]) of
       // (query head, query) set·16 + l (zero past the last lane): by lane, vector set · pairs + p
-      std::fill(query_pairs.begin() + set0 * pairs * kLanes, query_pairs.begin() + set1 * pairs * kLanes, 0);
+      std::fill(query_pairs + set0 * pairs * kLanes, query_pairs + set1 * pairs * kLanes, 0);
       for (int64_t flat = lane0; flat < lane1; ++flat) {
         const uint16_t* row = q + b * qs0 + (kvh * groups + flat / n) * qs1 + (flat % n) * qs2;
         const int64_t set = flat / kLanes, l = flat % kLanes;
@@ -379,9 +385,9 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
           query_pairs[(set * pairs + p) * kLanes + l] = static_cast<int32_t>(lo | (hi << 16));
         }
       }
-      std::fill(run_max.begin(), run_max.end(), -INFINITY);
-      std::fill(run_sum.begin(), run_sum.end(), 0.0f);
-      std::fill(acc_buffer.begin(), acc_buffer.end(), 0.0f);
+      std::fill(run_max, run_max + lanes_pad, -INFINITY);
+      std::fill(run_sum, run_sum + lanes_pad, 0.0f);
+      std::fill(acc, acc + lanes_pad * dim, 0.0f);
       const uint16_t* keys = kp + (b * kv_heads + kvh) * slots * dim;
       const uint16_t* values = vp + (b * kv_heads + kvh) * slots * dim;
       const char* mask_row = mask_base + b * ms0 * mask_item;
@@ -427,11 +433,11 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
             // explicit prefetches cost it 10-20 % at 8 rows × 8k keys)
             const int64_t j = c0 + blk * kLanes;
             key_pairs_by_key(keys + j * dim, dim, std::min<int64_t>(kLanes, c0 + count - j), static_cast<int>(pairs),
-                             keys_by_key.data());
+                             keys_by_key);
             const __mmask16 live = blk == blocks - 1 ? tail : 0xFFFF;
             const int lanes = static_cast<int>(lane1 - lane0);  // one lane set
             alignas(64) __m512 block[kLanes];
-            kScoreKeys[lanes](keys_by_key.data(), query_pairs.data() + set0 * pairs * kLanes, static_cast<int>(pairs),
+            kScoreKeys[lanes](keys_by_key, query_pairs + set0 * pairs * kLanes, static_cast<int>(pairs),
                               block);
             for (int l = 0; l < lanes; ++l) {
               const int64_t flat = lane0 + l;
@@ -458,7 +464,7 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
           }
         } else {
           for (int64_t set = set0; set < set1; ++set) {
-            const __m512bh* qp = reinterpret_cast<const __m512bh*>(query_pairs.data() + set * pairs * kLanes);
+            const __m512bh* qp = reinterpret_cast<const __m512bh*>(query_pairs + set * pairs * kLanes);
             for (int l = 0; l < kLanes; ++l) lane_query[l] = static_cast<int32_t>((set * kLanes + l) % n);
             const __m512i gather = _mm512_load_si512(lane_query);
             // scores, scaled and masked (keys past the chunk: -inf), and the chunk's max per lane
@@ -500,7 +506,7 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
             for (int l = 0; l < kLanes; ++l) rescale(set * kLanes + l, tops[l]);  // (padding lanes: finite)
             const int lanes = static_cast<int>(std::min<int64_t>(kLanes, lanes_total - set * kLanes));
             // exponentials as bf16 pairs of keys, summed by key (16 partial sums, as scores by key sum them)
-            const __m512 new_max = _mm512_loadu_ps(run_max.data() + set * kLanes);
+            const __m512 new_max = _mm512_loadu_ps(run_max + set * kLanes);
             __m512 partial[kLanes];
             for (int k = 0; k < kLanes; ++k) partial[k] = _mm512_setzero_ps();
             for (int64_t blk = 0; blk < blocks; ++blk) {
