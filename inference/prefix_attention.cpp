@@ -392,6 +392,18 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
       const uint16_t* values = vp + (b * kv_heads + kvh) * slots * dim;
       const char* mask_row = mask_base + b * ms0 * mask_item;
       const __m512 vscale = _mm512_set1_ps(scale);
+      // the next task's first keys and values, prefetched while this one ends (scores by lane: each task would
+      // otherwise start cold; 8 rows × 8k keys × 4 queries 2.96-2.97 -> 2.57-2.69 ms a layer)
+      const uint16_t* next_keys = nullptr;
+      const uint16_t* next_values = nullptr;
+      int64_t next_count = 0;
+      if (task + 1 < last && (task + 1) / set_tasks != piece) {
+        const int64_t np = (task + 1) / set_tasks;
+        const int64_t nb = np / (kv_heads * spans), nh = (np / spans) % kv_heads, ns = np % spans;
+        next_keys = kp + ((nb * kv_heads + nh) * slots + ns * kSplit) * dim;
+        next_values = vp + ((nb * kv_heads + nh) * slots + ns * kSplit) * dim;
+        next_count = std::min<int64_t>(used, (ns + 1) * kSplit) - ns * kSplit;
+      }
 
       for (int64_t c0 = k0; c0 < k1; c0 += kChunk) {
         const int64_t count = std::min<int64_t>(kChunk, k1 - c0), blocks = (count + kLanes - 1) / kLanes;
@@ -484,12 +496,23 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
             const int pair_count = static_cast<int>(pairs);
             int64_t j = 0;
             for (; j + kKeyBlock <= count; j += kKeyBlock) {
-              if (set == set0 && c0 + j + kAhead + kKeyBlock <= k1) {  // the hardware prefetcher alone leaves gaps
-                const char* kn = reinterpret_cast<const char*>(keys + (c0 + j + kAhead) * dim);
-                const char* vn = reinterpret_cast<const char*>(values + (c0 + j + kAhead) * dim);
-                for (int64_t line = 0; line < kKeyBlock * dim * 2; line += 64) {
-                  _mm_prefetch(kn + line, _MM_HINT_T1);
-                  _mm_prefetch(vn + line, _MM_HINT_T1);
+              if (set == set0) {  // the hardware prefetcher alone leaves gaps
+                const uint16_t* kb = nullptr;
+                const uint16_t* vb = nullptr;
+                if (c0 + j + kAhead + kKeyBlock <= k1) {
+                  kb = keys + (c0 + j + kAhead) * dim;
+                  vb = values + (c0 + j + kAhead) * dim;
+                } else if (next_keys != nullptr && c0 + j + kAhead - k1 + kKeyBlock <= next_count) {
+                  kb = next_keys + (c0 + j + kAhead - k1) * dim;
+                  vb = next_values + (c0 + j + kAhead - k1) * dim;
+                }
+                if (kb != nullptr) {
+                  const char* kn = reinterpret_cast<const char*>(kb);
+                  const char* vn = reinterpret_cast<const char*>(vb);
+                  for (int64_t line = 0; line < kKeyBlock * dim * 2; line += 64) {
+                    _mm_prefetch(kn + line, _MM_HINT_T1);
+                    _mm_prefetch(vn + line, _MM_HINT_T1);
+                  }
                 }
               }
               if (half) score_block_half<kKeyBlock>(keys + (c0 + j) * dim, dim, qp, pair_count, block);
