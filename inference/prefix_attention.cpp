@@ -211,8 +211,8 @@ const ScoreKeys kScoreKeys[kLanes + 1] = {
 
 // acc rows (kRows lanes from lane0) += Σ_j probs[j][lane] · v_j over key pairs (probs as bf16 pairs of keys,
 // lane l's of key pair jp at pairs[l * lane_stride + jp * pair_stride]; values interleaved pairwise in registers);
-// kVec = head_dim / 16. The rows are kept in the order unpacklo/unpackhi leave a row's outputs ("raw" order, restored by
-// store_row).
+// kVec = head_dim / 16. The rows are kept in the order unpacklo/unpackhi leave a row's outputs ("raw" order,
+// restored by store_row).
 template <int kVec, int kRows>
 void weigh_values(const int32_t* pairs, int64_t pair_stride, int64_t lane_stride, int lane0, const uint16_t* v,
                   int64_t ldv, int64_t key_pairs, float* acc_rows) {
@@ -248,7 +248,11 @@ void weigh_all(const int32_t* pairs, int64_t pair_stride, int64_t lane_stride, i
     weigh_values<kVec, kRows>(pairs, pair_stride, lane_stride, lane0, v, ldv, key_pairs, acc_rows);
   switch (lanes - lane0) {  // the rest, without idle accumulators
     case 0: break;
-#define REST(k) case k: if constexpr (k < kRows) weigh_values<kVec, k>(pairs, pair_stride, lane_stride, lane0, v, ldv, key_pairs, acc_rows); break;
+#define REST(k)                                                                                 \
+  case k:                                                                                       \
+    if constexpr (k < kRows)                                                                    \
+      weigh_values<kVec, k>(pairs, pair_stride, lane_stride, lane0, v, ldv, key_pairs, acc_rows); \
+    break;
     REST(1) REST(2) REST(3) REST(4) REST(5) REST(6) REST(7) REST(8) REST(9) REST(10) REST(11)
 #undef REST
   }
@@ -453,7 +457,8 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
                               block);
             for (int l = 0; l < lanes; ++l) {
               const int64_t flat = lane0 + l;
-              __m512 s = masked ? _mm512_fmadd_ps(block[l], vscale, _mm512_loadu_ps(mq + flat % n * kChunk + blk * kLanes))
+              const float* mask_keys = mq + flat % n * kChunk + blk * kLanes;
+              __m512 s = masked ? _mm512_fmadd_ps(block[l], vscale, _mm512_loadu_ps(mask_keys))
                                 : _mm512_mul_ps(block[l], vscale);
               s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, s);
               best[flat] = _mm512_max_ps(best[flat], s);
@@ -554,9 +559,8 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
         const int lanes = static_cast<int>(lane1 - lane0);
         const int32_t* task_pairs = pairs_p + lane0 * lane_stride;
         float* task_acc = acc + lane0 * dim;
-        if (dim == 32) weigh_all<2>(task_pairs, pair_stride, lane_stride, lanes, block_values, dim, whole_pairs, task_acc);
-        else if (dim == 64) weigh_all<4>(task_pairs, pair_stride, lane_stride, lanes, block_values, dim, whole_pairs, task_acc);
-        else weigh_all<8>(task_pairs, pair_stride, lane_stride, lanes, block_values, dim, whole_pairs, task_acc);
+        const auto weigh = dim == 32 ? weigh_all<2> : dim == 64 ? weigh_all<4> : weigh_all<8>;
+        weigh(task_pairs, pair_stride, lane_stride, lanes, block_values, dim, whole_pairs, task_acc);
         if (count % 2) {  // the last key alone: weight its lane's bf16 probability (the pair's first half)
           const uint16_t* v_last = block_values + (count - 1) * dim;
           for (int l = 0; l < lanes; ++l) {

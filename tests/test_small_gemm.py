@@ -175,34 +175,41 @@ class Int8KernelCalls(KernelCalls):
 def test_siblings_sharing_an_input_become_one_call_with_bit_identical_results():
     """use_small_row_kernel packs a module's same-width linears back to back in one buffer; the graph pass then
     multiplies the ones that share an input (q, k, v; not o) in one call over that span, sliced per call."""
-    from inference.small_gemm import FuseSiblingLinears
-
     projections = Projections()
     assert use_small_row_kernel(projections) == 4
     packed = [getattr(projections, name).packed for name in "qkvo"]
     assert len({p.untyped_storage().data_ptr() for p in packed}) == 1  # one buffer, no copy
     assert [p.storage_offset() for p in packed] == [0, 64 * 64, 96 * 64, 128 * 64]
-    graph_module = torch.fx.symbolic_trace(KernelCalls(projections))
     x = torch.randn(3, 64).to(torch.bfloat16)
+    after = fused_calls(KernelCalls(projections), torch.ops.drafthead_kernels.small_linear.default, x)
+    with small_row_kernel():  # and the modules' own path agrees with both
+        assert torch.equal(projections.k(x) * 2, after[1])
+
+
+def fused_calls(calls_module: nn.Module, op, x: torch.Tensor) -> tuple:
+    """Trace the module's four kernel calls, run FuseSiblingLinears on the graph: q/k/v become one call, o stays
+    alone (another input), and the outputs keep their bits. Returns the fused graph's outputs."""
+    from inference.small_gemm import FuseSiblingLinears
+
+    graph_module = torch.fx.symbolic_trace(calls_module)
     before = graph_module(x)
 
     def calls():
-        return sum(node.target is torch.ops.drafthead_kernels.small_linear.default for node in graph_module.graph.nodes)
+        return sum(node.target is op for node in graph_module.graph.nodes)
 
     assert calls() == 4
     FuseSiblingLinears()(graph_module.graph)
     graph_module.recompile()
-    assert calls() == 2  # q/k/v in one call, o alone (another input)
+    assert calls() == 2
     after = graph_module(x)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
-    with small_row_kernel():  # and the modules' own path agrees with both
-        assert torch.equal(projections.k(x) * 2, after[1])
+    return after
 
 
 def test_int8_siblings_sharing_an_input_become_one_call_with_bit_identical_results():
     """use_int8_weights lays the siblings' int8 weights back to back and their columns side by side; the graph
     pass fuses the int8 calls that share an input as it does the bf16 ones."""
-    from inference.small_gemm import FuseSiblingLinears, int8_weights, use_int8_weights
+    from inference.small_gemm import int8_weights, use_int8_weights
 
     projections = Projections()
     assert use_int8_weights(projections) == 4
@@ -211,20 +218,8 @@ def test_int8_siblings_sharing_an_input_become_one_call_with_bit_identical_resul
     assert len({w.untyped_storage().data_ptr() for w in weights}) == 1  # one buffer each, no copy
     assert [w.storage_offset() for w in weights] == [0, 64 * 64, 96 * 64, 128 * 64]
     assert [c.storage_offset() for c in columns] == [0, 64, 96, 128] and columns[0].stride() == (192, 1)
-    graph_module = torch.fx.symbolic_trace(Int8KernelCalls(projections))
     x = torch.randn(3, 64).to(torch.bfloat16)
-    before = graph_module(x)
-
-    def calls():
-        op = torch.ops.drafthead_kernels.small_linear_int8.default
-        return sum(node.target is op for node in graph_module.graph.nodes)
-
-    assert calls() == 4
-    FuseSiblingLinears()(graph_module.graph)
-    graph_module.recompile()
-    assert calls() == 2  # q/k/v in one call, o alone (another input)
-    after = graph_module(x)
-    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    after = fused_calls(Int8KernelCalls(projections), torch.ops.drafthead_kernels.small_linear_int8.default, x)
     with int8_weights():  # and the modules' own path agrees with both
         assert torch.equal(projections.k(x) * 2, after[1])
 
