@@ -343,6 +343,13 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
   // vector idle; the arithmetic of a lane is the same either way (the same products summed in the same order)
   const bool by_key = lanes_total <= kByKeyLanes;
   const int64_t pair_stride = by_key ? 1 : lanes_pad, lane_stride = by_key ? kChunk / 2 : 1;
+  // scores by lane: each lane set's query index per lane (to gather the mask entries of a key)
+  std::vector<__m512i> gathers(static_cast<size_t>(lane_sets));
+  for (int64_t set = 0; set < lane_sets; ++set) {
+    alignas(64) int32_t lane_query[kLanes];
+    for (int l = 0; l < kLanes; ++l) lane_query[l] = static_cast<int32_t>((set * kLanes + l) % n);
+    gathers[set] = _mm512_load_si512(lane_query);
+  }
 
   at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
     constexpr int64_t kBlocks = kChunk / kLanes;  // blocks of 16 keys in a chunk
@@ -371,7 +378,6 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
     float* mq = mask_block.data();  // the chunk's mask as float: by key [query][key], by lane [key][query]
     float* run_max = max_buffer.data();  // per lane: the running max and sum of its exponentials
     float* run_sum = sum_buffer.data();
-    alignas(64) int32_t lane_query[kLanes];
     for (int64_t task = first; task < last; ++task) {
       const int64_t piece = task / set_tasks;  // (row, KV head, span)
       const int64_t b = piece / (kv_heads * spans), kvh = (piece / spans) % kv_heads, span = piece % spans;
@@ -409,6 +415,19 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
         next_count = std::min<int64_t>(used, (ns + 1) * kSplit) - ns * kSplit;
       }
 
+      // the max of each lane's scores over the chunk rises: rescale what was summed so far (e^(old - new); 0
+      // while nothing was seen); then the chunk's exponentials are summed by key (sum_partials)
+      auto rescale = [&](int64_t flat, float chunk_max) {
+        const float old_max = run_max[flat], new_max = std::max(old_max, chunk_max);
+        if (new_max == old_max) return;
+        alignas(64) float shrink[kLanes];
+        _mm512_store_ps(shrink, exp_nonpositive(_mm512_set1_ps(old_max - new_max)));
+        run_sum[flat] *= shrink[0];
+        const __m512 f = _mm512_set1_ps(shrink[0]);
+        float* row = acc + flat * dim;
+        for (int64_t c = 0; c < dim; c += 16) _mm512_storeu_ps(row + c, _mm512_mul_ps(_mm512_loadu_ps(row + c), f));
+        run_max[flat] = new_max;
+      };
       for (int64_t c0 = k0; c0 < k1; c0 += kChunk) {
         const int64_t count = std::min<int64_t>(kChunk, k1 - c0), blocks = (count + kLanes - 1) / kLanes;
         // the chunk's mask entries as float; none when they are all zero (the committed prefix of a row: only
@@ -426,23 +445,11 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
             else mq[j * kLanes + i] = entry;
           }
         }
-        const __mmask16 tail = count % kLanes ? static_cast<__mmask16>((1u << (count % kLanes)) - 1) : 0xFFFF;
-        // the max of each lane's scores over the chunk rises: rescale what was summed so far (e^(old - new); 0
-        // while nothing was seen); then the chunk's exponentials are summed by key (sum_partials)
-        auto rescale = [&](int64_t flat, float chunk_max) {
-          const float old_max = run_max[flat], new_max = std::max(old_max, chunk_max);
-          if (new_max == old_max) return;
-          alignas(64) float shrink[kLanes];
-          _mm512_store_ps(shrink, exp_nonpositive(_mm512_set1_ps(old_max - new_max)));
-          run_sum[flat] *= shrink[0];
-          const __m512 f = _mm512_set1_ps(shrink[0]);
-          float* row = acc + flat * dim;
-          for (int64_t c = 0; c < dim; c += 16) _mm512_storeu_ps(row + c, _mm512_mul_ps(_mm512_loadu_ps(row + c), f));
-          run_max[flat] = new_max;
-        };
         if (by_key) {
           // per block of 16 keys: its keys as pairs by key, then every lane's scores, scaled and masked (keys past
           // the chunk: -inf), and each lane's max
+          const __mmask16 tail = count % kLanes ? static_cast<__mmask16>((1u << (count % kLanes)) - 1) : 0xFFFF;
+          const int lanes = static_cast<int>(lane1 - lane0);  // one lane set
           for (int64_t flat = lane0; flat < lane1; ++flat) best[flat] = _mm512_set1_ps(-INFINITY);
           for (int64_t blk = 0; blk < blocks; ++blk) {
             // (no prefetching here: the hardware prefetcher keeps up with this path's row-by-row reads, and
@@ -451,7 +458,6 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
             key_pairs_by_key(keys + j * dim, dim, std::min<int64_t>(kLanes, c0 + count - j), static_cast<int>(pairs),
                              keys_by_key);
             const __mmask16 live = blk == blocks - 1 ? tail : 0xFFFF;
-            const int lanes = static_cast<int>(lane1 - lane0);  // one lane set
             alignas(64) __m512 block[kLanes];
             kScoreKeys[lanes](keys_by_key, query_pairs + set0 * pairs * kLanes, static_cast<int>(pairs),
                               block);
@@ -482,8 +488,7 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
         } else {
           for (int64_t set = set0; set < set1; ++set) {
             const __m512bh* qp = reinterpret_cast<const __m512bh*>(query_pairs + set * pairs * kLanes);
-            for (int l = 0; l < kLanes; ++l) lane_query[l] = static_cast<int32_t>((set * kLanes + l) % n);
-            const __m512i gather = _mm512_load_si512(lane_query);
+            const __m512i gather = gathers[set];
             // scores, scaled and masked (keys past the chunk: -inf), and the chunk's max per lane
             __m512 top = _mm512_set1_ps(-INFINITY);
             __m512 block[kKeyBlock];

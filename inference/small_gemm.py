@@ -166,15 +166,15 @@ def use_int8_weights(model: nn.Module) -> int:
         kernel = w.dtype == torch.bfloat16 and w.device.type == "cpu" and kernels_available()
         weights = torch.cat([pack_int8(q) if kernel else q for q in weights])
         columns = torch.cat(columns, dim=1).to(w.device)  # (2, N of the group): each module's a column slice
-        start = column = 0
+        per_row = BLOCK if kernel else 1  # output columns per row of the (packed) weight
+        column = 0
         for module in group:
-            width = module.out_features
-            rows = width // BLOCK if kernel else width  # the packed weight's first dimension counts blocks
+            end = column + module.out_features
             if not isinstance(module, SmallRowLinear):
                 module.__class__ = Int8CopyLinear
-            module.register_buffer("int8_weight", weights[start: start + rows], persistent=False)
-            module.register_buffer("int8_columns", columns[:, column: column + width], persistent=False)
-            start, column = start + rows, column + width
+            module.register_buffer("int8_weight", weights[column // per_row: end // per_row], persistent=False)
+            module.register_buffer("int8_columns", columns[:, column: end], persistent=False)
+            column = end
     return len(linears)
 
 
