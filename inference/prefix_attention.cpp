@@ -407,7 +407,7 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
       const uint16_t* next_keys = nullptr;
       const uint16_t* next_values = nullptr;
       int64_t next_count = 0;
-      if (task + 1 < last && (task + 1) / set_tasks != piece) {
+      if (!by_key && task + 1 < last && (task + 1) / set_tasks != piece) {  // (scores by key read none)
         const int64_t np = (task + 1) / set_tasks;
         const int64_t nb = np / (kv_heads * spans), nh = (np / spans) % kv_heads, ns = np % spans;
         next_keys = kp + ((nb * kv_heads + nh) * slots + ns * kSplit) * dim;
