@@ -49,7 +49,7 @@ def decode_batch(runner: BatchRunner, drafter: BatchDrafter, input_ids: torch.Te
     """Decode every row of left-padded `input_ids` (B, T) until its stopper says so, then each `waiting` request in
     the first row that frees up. Returns the new tokens of each row, then of each admitted request in admission
     order; fills `stats` (per-row accepted lengths and steps, draft and verify time, admit_time_s,
-    prefill_time_s). `prefilled`: the (logits, features) of runner.prefill() already run on these rows (a
+    prefill_time_s, and the busy_* figures of the steps with every row decoding). `prefilled`: the (logits, features) of runner.prefill() already run on these rows (a
     benchmark reusing one prefill). `switch`: speculate only on the steps where it pays, taking plain steps (every
     row's root verified alone) on the others (batch_switch.py; the drafter's skip() keeps it in step); counted in
     stats.plain_steps."""
@@ -62,6 +62,8 @@ def decode_batch(runner: BatchRunner, drafter: BatchDrafter, input_ids: torch.Te
     sync()
     stats.target_forwards += 1
     stats.prefill_time_s = time.perf_counter() - t0
+    start = time.perf_counter()  # of decoding: the busy steps are timed from here
+    busy = False  # whether the last step had every row of the batch decoding
     stoppers = list(stoppers)
     rows = list(range(input_ids.shape[0]))  # the request each row of the batch decodes
     done = [False] * len(rows)  # finished rows still in the batch (verified, never committed)
@@ -79,6 +81,10 @@ def decode_batch(runner: BatchRunner, drafter: BatchDrafter, input_ids: torch.Te
         for k in range(len(rows)):
             if not done[k]:
                 settle(k)
+        if busy:  # the rate with every row busy (a server's steady state), apart from a queue's tail
+            stats.busy_steps += 1
+            stats.busy_tokens = sum(len(tokens) for tokens in new)
+            stats.busy_time_s = time.perf_counter() - start
         while waiting is not None and any(done):  # continuous batching: a finished row takes the next request
             request = next(waiting, None)
             if request is None:
@@ -108,6 +114,7 @@ def decode_batch(runner: BatchRunner, drafter: BatchDrafter, input_ids: torch.Te
             runner.keep_rows(index)
             drafter.keep_rows(index)
             rows, roots, done = [rows[k] for k in alive], roots[index], [False] * len(alive)
+        busy = len(rows) == input_ids.shape[0] and not any(done)
         t0 = time.perf_counter()
         live = [rows[k] for k in range(len(rows)) if not done[k]] if switch is not None else None  # their requests
         speculate = switch is None or switch.speculate(live)

@@ -14,6 +14,7 @@ there; reported as warmup_s), then `--repeats` times in turn with the other meth
 through B rows (continuous batching, as a server runs: a row that finishes takes the next prefilled request at
 once, so no row waits for the batch's slowest), the same queue for every method. Reported per method: decode tokens/s (all rows), speedup over
 plain batched decoding in the same cell, τ (tokens per row per verification), cost per step (draft and verify),
+the same rate and speedup over the steps with every row busy (`busy_*`: a queue's steps before it runs dry),
 the drafter's begin time (feeding the prompt to a head), and the cell's peak RSS. Greedy outputs are checked
 against plain decoding row by row. Writes one JSON (rewritten after every cell) and a PNG.
 """
@@ -155,7 +156,9 @@ def run_group(runner: BatchRunner, drafters: dict, rows: list[dict], max_new: in
                                           begin_s=stats.prefill_time_s, steps=stats.target_forwards - 1,
                                           accept=stats.accept_lengths, rows_steps=stats.rows_steps,
                                           draft_s=stats.draft_time_s, admit_s=stats.admit_time_s,
-                                          verify_s=stats.verify_time_s, plain_steps=stats.plain_steps))
+                                          verify_s=stats.verify_time_s, plain_steps=stats.plain_steps,
+                                          busy_steps=stats.busy_steps, busy_tokens=stats.busy_tokens,
+                                          busy_s=stats.busy_time_s))
     for result in out.values():  # the run of median decode time stands for the method (greedy: same tokens)
         runs = sorted(result.pop("runs"), key=lambda r: r["decode_s"])
         result.update(runs[(len(runs) - 1) // 2], decode_s_runs=[round(r["decode_s"], 3) for r in runs])
@@ -182,14 +185,22 @@ def summarise_cell(groups: list[dict], names: list[str], b: int, context: int) -
                  draft_ms_per_step=1000 * sum(g["draft_s"] for g in runs) / max(steps, 1),
                  verify_ms_per_step=1000 * sum(g["verify_s"] for g in runs) / max(steps, 1),
                  begin_s=sum(g["begin_s"] for g in runs), warmup_s=round(sum(g["warmup_s"] for g in runs), 2),
-                 decode_s_runs=[round(sum(x), 3) for x in zip(*(g["decode_s_runs"] for g in runs))])
+                 decode_s_runs=[round(sum(x), 3) for x in zip(*(g["decode_s_runs"] for g in runs))],
+                 # the steps with every row decoding (continuous: before the queue runs dry), as MagicDec's
+                 # per-step throughput counts a full batch; the queue's tail (rows leaving one by one) is what
+                 # tokens_per_s adds to it
+                 busy_steps=sum(g["busy_steps"] for g in runs),
+                 busy_tokens_per_s=sum(g["busy_tokens"] for g in runs) / max(sum(g["busy_s"] for g in runs), 1e-9),
+                 busy_step_ms=1000 * sum(g["busy_s"] for g in runs) / max(sum(g["busy_steps"] for g in runs), 1))
         if name != "plain" and "plain" in names:
             m["greedy_match"] = all(r == p for g in groups for r, p in zip(g[name]["rows"], g["plain"]["rows"]))
         cell["methods"][name] = m
     if "plain" in names:
         base = cell["methods"]["plain"]["tokens_per_s"]
+        busy_base = cell["methods"]["plain"]["busy_tokens_per_s"]
         for m in cell["methods"].values():
             m["speedup"] = m["tokens_per_s"] / base
+            m["busy_speedup"] = m["busy_tokens_per_s"] / busy_base
     return cell
 
 
@@ -235,8 +246,8 @@ def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
             cell = summarise_cell(groups, names, b, context)
             cell["peak_rss_mb"] = peak_rss_mb()  # the cell's batch buffers, its snapshot and every stored row
             result["cells"].append(cell)
-            line = "  ".join(f"{n} {m['tokens_per_s']:.1f} tok/s x{m.get('speedup', 1):.2f} tau {m['tau']:.2f}"
-                             for n, m in cell["methods"].items())
+            line = "  ".join(f"{n} {m['tokens_per_s']:.1f} tok/s x{m.get('speedup', 1):.2f} tau {m['tau']:.2f} "
+                             f"(all rows busy: x{m.get('busy_speedup', 1):.2f})" for n, m in cell["methods"].items())
             print(f"context {context} batch {b}: {line}", flush=True)
             if on_cell is not None:
                 on_cell(result)

@@ -67,6 +67,11 @@ class GenerationStats:
     accepted_by: dict[str, int] = field(default_factory=dict)
     rows_new_tokens: list[int] = field(default_factory=list)  # batch: new tokens of each row
     rows_steps: list[int] = field(default_factory=list)  # batch: verifications each row took until it stopped
+    # batch: the leading steps with every row of the batch decoding (continuous batching: until its queue runs dry
+    # and rows start leaving): how many, the new tokens kept by then, and the seconds they took from the first step
+    busy_steps: int = 0
+    busy_tokens: int = 0
+    busy_time_s: float = 0.0
     prefill_time_s: float = 0.0  # prompt forward + the drafter's begin (one row: also inside verify_time_s)
     admit_time_s: float = 0.0  # continuous batching: waiting requests loaded into freed rows
     draft_time_s: float = 0.0

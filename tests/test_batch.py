@@ -136,6 +136,10 @@ def test_continuous_batching_admits_waiting_requests_losslessly():
         assert new == [a[:e] for a, e in zip(alone, ends)], name
         assert len(stats.rows_steps) == 6 and sum(stats.rows_steps) == len(stats.accept_lengths), name
         assert stats.admit_time_s > 0
+        # busy steps (both rows decoding) then the tail with one row: row-steps = 2 busy + tail, steps = busy + tail
+        steps = stats.target_forwards - 1
+        assert 0 < stats.busy_steps == sum(stats.rows_steps) - steps <= steps, name
+        assert 0 < stats.busy_tokens <= sum(len(r) for r in new) and 0 < stats.busy_time_s, name
 
 
 def test_compiled_batch_keeps_one_graph_as_rows_leave():
