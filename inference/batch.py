@@ -49,10 +49,10 @@ def decode_batch(runner: BatchRunner, drafter: BatchDrafter, input_ids: torch.Te
     """Decode every row of left-padded `input_ids` (B, T) until its stopper says so, then each `waiting` request in
     the first row that frees up. Returns the new tokens of each row, then of each admitted request in admission
     order; fills `stats` (per-row accepted lengths and steps, draft and verify time, admit_time_s,
-    prefill_time_s, and the busy_* figures of the steps with every row decoding). `prefilled`: the (logits, features) of runner.prefill() already run on these rows (a
-    benchmark reusing one prefill). `switch`: speculate only on the steps where it pays, taking plain steps (every
-    row's root verified alone) on the others (batch_switch.py; the drafter's skip() keeps it in step); counted in
-    stats.plain_steps."""
+    prefill_time_s, and the busy_* figures of the steps with every row decoding). `prefilled`: the (logits,
+    features) of runner.prefill() already run on these rows (a benchmark reusing one prefill). `switch`: speculate
+    only on the steps where it pays, taking plain steps (every row's root verified alone) on the others
+    (batch_switch.py; the drafter's skip() keeps it in step); counted in stats.plain_steps."""
     if switch is not None:
         switch.reset()
     t0 = time.perf_counter()
@@ -61,8 +61,8 @@ def decode_batch(runner: BatchRunner, drafter: BatchDrafter, input_ids: torch.Te
     drafter.begin(runner, input_ids, attention_mask, features)
     sync()
     stats.target_forwards += 1
-    stats.prefill_time_s = time.perf_counter() - t0
-    start = time.perf_counter()  # of decoding: the busy steps are timed from here
+    start = time.perf_counter()  # decoding starts: the busy steps are timed from here
+    stats.prefill_time_s = start - t0
     busy = False  # whether the last step had every row of the batch decoding
     stoppers = list(stoppers)
     rows = list(range(input_ids.shape[0]))  # the request each row of the batch decodes
