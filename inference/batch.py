@@ -114,7 +114,7 @@ def decode_batch(runner: BatchRunner, drafter: BatchDrafter, input_ids: torch.Te
             runner.keep_rows(index)
             drafter.keep_rows(index)
             rows, roots, done = [rows[k] for k in alive], roots[index], [False] * len(alive)
-        busy = len(rows) == input_ids.shape[0] and not any(done)
+        busy = len(rows) == input_ids.shape[0]  # (no finished row is left in the batch by now)
         t0 = time.perf_counter()
         live = [rows[k] for k in range(len(rows)) if not done[k]] if switch is not None else None  # their requests
         speculate = switch is None or switch.speculate(live)

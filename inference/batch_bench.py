@@ -174,6 +174,7 @@ def summarise_cell(groups: list[dict], names: list[str], b: int, context: int) -
         decode_s = sum(g["decode_s"] for g in runs)
         steps = sum(g["steps"] for g in runs)
         accept = [a for g in runs for a in g["accept"]]
+        busy_steps, busy_s = sum(g["busy_steps"] for g in runs), sum(g["busy_s"] for g in runs)
         m = dict(tokens=tokens, decode_s=round(decode_s, 3), tokens_per_s=tokens / decode_s,
                  tau=sum(accept) / max(len(accept), 1), steps=steps,
                  # a batch decodes until its slowest row is done: steps against what its rows needed on average
@@ -189,9 +190,8 @@ def summarise_cell(groups: list[dict], names: list[str], b: int, context: int) -
                  # the steps with every row decoding (continuous: before the queue runs dry), as MagicDec's
                  # per-step throughput counts a full batch; the queue's tail (rows leaving one by one) is what
                  # tokens_per_s adds to it
-                 busy_steps=sum(g["busy_steps"] for g in runs),
-                 busy_tokens_per_s=sum(g["busy_tokens"] for g in runs) / max(sum(g["busy_s"] for g in runs), 1e-9),
-                 busy_step_ms=1000 * sum(g["busy_s"] for g in runs) / max(sum(g["busy_steps"] for g in runs), 1))
+                 busy_steps=busy_steps, busy_tokens_per_s=sum(g["busy_tokens"] for g in runs) / max(busy_s, 1e-9),
+                 busy_step_ms=1000 * busy_s / max(busy_steps, 1))
         if name != "plain" and "plain" in names:
             m["greedy_match"] = all(r == p for g in groups for r, p in zip(g[name]["rows"], g["plain"]["rows"]))
         cell["methods"][name] = m
