@@ -71,7 +71,7 @@ class BatchRunner:
     def __init__(self, model: nn.Module, feature_layers: list[int], prefill_chunk: int = PREFILL_CHUNK,
                  compile: bool = False):
         attach_target(self, model, feature_layers, "batched decoding runs on static KV buffers, which do not support",
-                      compile)
+                      compile, float32_kernel=True)
         self.prefill_chunk = prefill_chunk
         self.compiled = compile
         self.compile_s: dict[tuple[int, int, int], float] = {}  # (rows, capacity, tree size) -> first step's seconds

@@ -1,9 +1,11 @@
-"""Builds and loads this project's AVX512-BF16 CPU kernels (one extension, the `drafthead_kernels` op library):
+"""Builds and loads this project's CPU kernels: the AVX512-BF16 extension (the `drafthead_kernels` op library):
 small_gemm.cpp (bf16 linears of a few rows, used by small_gemm.py) and prefix_attention.cpp (attention of a few
-queries over the used prefix of a KV buffer, used by attention.py).
+queries over the used prefix of a KV buffer, used by attention.py); and the AVX2 one (`drafthead_avx2`):
+small_gemm_avx2.cpp (float32 linears of a few rows, for CPUs where float32 is the fast dtype).
 
 They are compiled on first use with the C++ compiler PyTorch's own CPU compilation needs (~40 s, cached in torch's
-extension folder), only where the CPU has AVX512-BF16 (its `vdpbf16ps`); elsewhere nothing changes.
+extension folder), only where the CPU has the instructions (AVX512-BF16's `vdpbf16ps`; AVX2 and FMA); elsewhere
+nothing changes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,26 @@ from drafthead.hardware import cpu_flags
 
 SOURCES = ("small_gemm.cpp", "prefix_attention.cpp")
 BLOCK = 32  # output columns per packed weight block (small_gemm.cpp)
+AVX2_SOURCES = ("small_gemm_avx2.cpp",)
+FLOAT_BLOCK = 16  # output columns per packed float32 weight block (small_gemm_avx2.cpp)
+
+
+def _build(name: str, sources: tuple[str, ...], flags: list[str], what: str) -> bool:
+    """Compile and load one extension of this folder's C++ sources; False (with a note) where that fails."""
+    from torch.utils.cpp_extension import load
+
+    paths = [str(Path(__file__).with_name(source)) for source in sources]
+    try:
+        # -fopenmp: at::parallel_for is a header template that runs serially unless the extension itself is built
+        # with OpenMP
+        load(name=name, sources=paths, extra_cflags=["-O3", *flags, "-fopenmp"], extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)
+    except Exception as error:  # no compiler, or one without these instructions: PyTorch's own ops stay in use
+        reason = str(error).strip().splitlines()[-1][:200]
+        print(f"[drafthead] {what} kernels not used (building {', '.join(sources)} failed: {reason})",
+              file=sys.stderr)
+        return False
+    return True
 
 
 @functools.cache
@@ -25,19 +47,8 @@ def kernels_available() -> bool:
     """True once the kernels are built and loaded; builds them on the first call where the CPU has AVX512-BF16."""
     if "avx512_bf16" not in cpu_flags():  # (every CPU with AVX512-BF16 also has AVX512-VNNI, used for int8)
         return False
-    from torch.utils.cpp_extension import load
-
-    sources = [str(Path(__file__).with_name(name)) for name in SOURCES]
-    # -fopenmp: at::parallel_for is a header template that runs serially unless the extension itself is built
-    # with OpenMP
-    flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-fopenmp"]
-    try:
-        load(name="drafthead_cpu_kernels", sources=sources, extra_cflags=flags, extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)
-    except Exception as error:  # no compiler, or one without AVX512-BF16: PyTorch's own ops stay in use
-        reason = str(error).strip().splitlines()[-1][:200]
-        print(f"[drafthead] AVX512-BF16 kernels not used (building {', '.join(SOURCES)} failed: {reason})",
-              file=sys.stderr)
+    flags = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]
+    if not _build("drafthead_cpu_kernels", SOURCES, flags, "AVX512-BF16"):
         return False
 
     @torch.library.register_fake("drafthead_kernels::small_linear")
@@ -52,5 +63,21 @@ def kernels_available() -> bool:
     def _(query, key, value, mask, scaling, length, rows):
         b, heads, n, d = query.shape
         return query.new_empty(b, n, heads, d)
+
+    return True
+
+
+@functools.cache
+def avx2_kernels_available() -> bool:
+    """True once the float32 AVX2 kernel is built and loaded; builds it on the first call where the CPU has AVX2
+    and FMA."""
+    if "avx2" not in cpu_flags():  # (every x86 CPU with AVX2 has FMA too: Haswell, Zen)
+        return False
+    if not _build("drafthead_avx2_kernels", AVX2_SOURCES, ["-mavx2", "-mfma"], "AVX2"):
+        return False
+
+    @torch.library.register_fake("drafthead_avx2::small_linear")
+    def _(x, packed, bias):
+        return x.new_empty(*x.shape[:-1], packed.shape[0] * FLOAT_BLOCK)
 
     return True

@@ -7,8 +7,12 @@ oneDNN 20 ms at 1 row, 23 at 8, 29 at 16; this kernel 9.6, 9.9 and 14.8 ms (~28 
 bandwidth). Each output is summed in the same order whatever the number of rows, so a token's logits do not depend
 on the tree verified beside it.
 
-The kernel is built on first use where the CPU has AVX512-BF16 (cpu_kernels.py); elsewhere nothing changes.
-`use_small_row_kernel(model)` turns a model's bf16 `nn.Linear` modules into `SmallRowLinear` in place: same
+Float32 weights have their own kernel (small_gemm_avx2.cpp: AVX2 + FMA, for CPUs without AVX512-BF16, where
+float32 is the fast dtype): MKL's float32 linear streams SmolLM2's lm_head at ~2.5 GB/s at 8 rows on a 2-core AVX2
+EPYC, the kernel at ~7. Each kernel is built on first use where the CPU has its instructions (cpu_kernels.py);
+elsewhere nothing changes.
+`use_small_row_kernel(model)` turns a model's bf16 `nn.Linear` modules (and, asked, its float32 ones: the batch
+runner does) into `SmallRowLinear` in place: same
 parameters and state dict, plus a packed copy of each weight (one more copy of the linear weights in memory). They
 use the kernel only inside `small_row_kernel(max_rows)` (the fast runners' decoding sessions) and only for inputs
 of up to `max_rows` rows; elsewhere (a prompt, the user's own calls of the model) they are exactly nn.Linear. The
@@ -24,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from .cpu_kernels import BLOCK, kernels_available
+from .cpu_kernels import BLOCK, FLOAT_BLOCK, avx2_kernels_available, kernels_available
 
 # inputs of up to this many rows use the kernel (it streams the weights at 1-8 rows; at 16 it still costs half
 # of oneDNN's time; beyond that the step is no longer bound by the weights)
@@ -34,6 +38,13 @@ KERNEL_ROWS = 16
 # 8 / 16 / 32 / 64 rows against oneDNN's 27.3 / 30.7 / 44.8 / 75.2; in the batch runner's compiled verify step
 # (8 rows × 8k keys, scripts/verify_cost.py) 3-5 tokens a row cost 6-7 % less than with the limit at 16
 BATCH_KERNEL_ROWS = 64
+# float32 (small_gemm_avx2.cpp) up to this many rows, whatever the session allows: past it MKL's GEMM is as fast.
+# Single linears, 2-core AVX2 EPYC (Zen 3), kernel / F.linear ms at 8 rows: 576->3072 0.6 / 1.0, 576->49152
+# (lm_head) 17 / 46; at 16: 2.1 / 2.8, 23 / 56; at 32: 2.5 / 1.9, 38 / 63. Only the batch runner converts float32
+# linears (use_small_row_kernel(float32=True)): its compiled steps of 8 rows × 1k keys cost 142 ms with the kernel
+# against 251 without (2 tokens a row: 204 / 285); the single-sequence engine's compiled steps (1 row, inductor's
+# frozen MKL GEMMs) were 7 % slower with it (10 MT-bench prompts, plain 24.7 -> 22.9 tokens/s)
+FLOAT_KERNEL_ROWS = 16
 
 # the row limit inside small_row_kernel() (0: outside); a module global, so a compiled step guards on it (a module
 # attribute would not be guarded: the compiled steps skip guards on nn.Module state)
@@ -42,13 +53,21 @@ _row_limit = 0
 _int8_active = False
 
 
-def eligible(module: nn.Module) -> bool:
-    """A bf16 CPU nn.Linear whose shape the kernel takes (out_features a multiple of 32, in_features even)."""
-    if not isinstance(module, nn.Linear):
+def eligible(module: nn.Module, float32: bool = False) -> bool:
+    """A CPU nn.Linear whose shape and dtype a kernel this CPU runs takes: bf16 with AVX512-BF16 (out_features a
+    multiple of 32, in_features even), and with `float32` float32 with AVX2 (out_features a multiple of 16)."""
+    if not isinstance(module, nn.Linear) or module.weight.device.type != "cpu":
         return False
-    w = module.weight
-    return (w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.shape[0] % BLOCK == 0
-            and w.shape[1] % 2 == 0)
+    n, k = module.weight.shape
+    if module.weight.dtype == torch.bfloat16:
+        return n % BLOCK == 0 and k % 2 == 0 and kernels_available()
+    return (float32 and module.weight.dtype == torch.float32 and n % FLOAT_BLOCK == 0
+            and avx2_kernels_available())
+
+
+def _kernels(dtype: torch.dtype):
+    """The op library whose small_linear / pack_weight take weights of `dtype`."""
+    return torch.ops.drafthead_kernels if dtype == torch.bfloat16 else torch.ops.drafthead_avx2
 
 
 @contextlib.contextmanager
@@ -73,8 +92,11 @@ class SmallRowLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _int8_active and self.int8_weight is not None:
             return int8_linear(x, self.int8_weight, self.int8_columns, self.bias)
-        if _row_limit and x.dtype == torch.bfloat16 and x.numel() <= _row_limit * x.shape[-1]:
-            return torch.ops.drafthead_kernels.small_linear(x, self.packed, self.bias)
+        if _row_limit and x.dtype == self.packed.dtype and x.numel() <= _row_limit * x.shape[-1]:
+            if x.dtype == torch.bfloat16:
+                return torch.ops.drafthead_kernels.small_linear(x, self.packed, self.bias)
+            if x.numel() <= FLOAT_KERNEL_ROWS * x.shape[-1]:
+                return torch.ops.drafthead_avx2.small_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -179,20 +201,23 @@ def use_int8_weights(model: nn.Module) -> int:
 
 
 @torch.no_grad()
-def use_small_row_kernel(model: nn.Module) -> int:
+def use_small_row_kernel(model: nn.Module, float32: bool = False) -> int:
     """Turn the model's eligible linears into SmallRowLinear in place (parameters, ties and state dict
-    unchanged). Returns how many use the kernel; 0 where it is not available (no eligible linear, or a CPU
-    without AVX512-BF16). Sibling linears of one module with the same input width (an attention's q/k/v/o, an
-    MLP's gate/up) are packed back to back in one buffer, each module's `packed` a view of it, so that a
-    compiled step can multiply the ones that share an input in one call (FuseSiblingLinears)."""
-    linears = [m for m in model.modules() if isinstance(m, SmallRowLinear) or eligible(m)]
-    if not linears or not kernels_available():
+    unchanged). Returns how many use the kernel; 0 where it is not available (no eligible linear: bf16 needs a CPU
+    with AVX512-BF16; float32 is converted only with `float32`, on a CPU with AVX2: the batch runner asks, see
+    FLOAT_KERNEL_ROWS). Sibling linears of one module with the same input width (an attention's q/k/v/o, an MLP's
+    gate/up) are packed back to back in one buffer, each module's `packed` a view of it, so that a compiled step
+    can multiply the ones that share an input in one call (FuseSiblingLinears)."""
+    linears = [m for m in model.modules() if isinstance(m, SmallRowLinear) or eligible(m, float32)]
+    if not linears:
         return 0
     for group in _sibling_groups(model, [m for m in linears if not isinstance(m, SmallRowLinear)]):
-        packed = torch.cat([torch.ops.drafthead_kernels.pack_weight(m.weight.detach()) for m in group])
+        kernels = _kernels(group[0].weight.dtype)
+        packed = torch.cat([kernels.pack_weight(m.weight.detach()) for m in group])
+        block = BLOCK if group[0].weight.dtype == torch.bfloat16 else FLOAT_BLOCK
         start = 0
         for module in group:
-            blocks = module.out_features // BLOCK
+            blocks = module.out_features // block
             module.__class__ = SmallRowLinear
             module.register_buffer("packed", packed[start: start + blocks], persistent=False)
             for name in ("int8_weight", "int8_columns"):
@@ -231,14 +256,15 @@ class FuseSiblingLinears(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         module = graph.owning_module
-        try:
-            ops = {torch.ops.drafthead_kernels.small_linear.default: 1,  # op -> its get_attr operands after x
-                   torch.ops.drafthead_kernels.small_linear_int8.default: 2}
-        except AttributeError:  # the kernels were never loaded (fp32, no AVX512-BF16): no call to fuse
-            return
+        ops = {}  # op -> (its get_attr operands after x, output columns per packed block)
+        if kernels_available():
+            ops[torch.ops.drafthead_kernels.small_linear.default] = (1, BLOCK)
+            ops[torch.ops.drafthead_kernels.small_linear_int8.default] = (2, BLOCK)
+        if avx2_kernels_available():
+            ops[torch.ops.drafthead_avx2.small_linear.default] = (1, FLOAT_BLOCK)
         by_input: dict[tuple, list[torch.fx.Node]] = {}
         for node in graph.nodes:
-            operands = ops.get(node.target) if node.op == "call_function" else None
+            operands = ops[node.target][0] if node.op == "call_function" and node.target in ops else None
             if (operands and not node.kwargs and len(node.args) >= 1 + operands
                     and all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in node.args[1: 1 + operands])
                     and all(a is None for a in node.args[1 + operands:])):
@@ -248,7 +274,7 @@ class FuseSiblingLinears(CustomGraphPass):
         for (op, _), calls in by_input.items():
             if len(calls) < 2:
                 continue
-            tensors = {n: [_attribute(module, a.target) for a in n.args[1: 1 + ops[op]]] for n in calls}
+            tensors = {n: [_attribute(module, a.target) for a in n.args[1: 1 + ops[op][0]]] for n in calls}
             calls.sort(key=lambda n: (tensors[n][0].untyped_storage().data_ptr(), tensors[n][0].storage_offset()))
 
             def follows(a: torch.fx.Node, b: torch.fx.Node) -> bool:
@@ -261,18 +287,19 @@ class FuseSiblingLinears(CustomGraphPass):
                     run.append(node)
                     continue
                 if len(run) >= 2:
-                    self._fuse(graph, module, op, run, [tensors[n] for n in run], order, f"_small_linear_fused{fused}")
+                    self._fuse(graph, module, op, ops[op][1], run, [tensors[n] for n in run], order,
+                               f"_small_linear_fused{fused}")
                     fused += 1
                 run = [node] if node is not None else []
 
     @staticmethod
-    def _fuse(graph, module, op, calls, operands, order, name) -> None:
+    def _fuse(graph, module, op, block, calls, operands, order, name) -> None:
         first = operands[0][0]
         blocks = sum(w[0].shape[0] for w in operands)
         spans = [first.as_strided((blocks, *first.shape[1:]), first.stride(), first.storage_offset())]
         if len(operands[0]) == 2:  # the int8 columns (2, N) over the same span
             columns = operands[0][1]
-            spans.append(columns.as_strided((2, blocks * BLOCK), columns.stride(), columns.storage_offset()))
+            spans.append(columns.as_strided((2, blocks * block), columns.stride(), columns.storage_offset()))
         for i, span in enumerate(spans):
             module.register_buffer(f"{name}_{i}", span, persistent=False)
         x = calls[0].args[0]
@@ -283,10 +310,10 @@ class FuseSiblingLinears(CustomGraphPass):
             out = graph.call_function(op, (x, *attrs, None))
             if val is not None:
                 with val.fake_mode:
-                    out.meta["val"] = val.new_empty(*val.shape[:-1], blocks * BLOCK)
+                    out.meta["val"] = val.new_empty(*val.shape[:-1], blocks * block)
             parts, start = [], 0
             for w in operands:
-                width = w[0].shape[0] * BLOCK
+                width = w[0].shape[0] * block
                 part = graph.call_function(torch.ops.aten.slice.Tensor, (out, -1, start, start + width))
                 if val is not None:
                     with val.fake_mode:

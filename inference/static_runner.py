@@ -102,12 +102,14 @@ def compact_slots(cache: StaticCache, src: torch.Tensor, dst: torch.Tensor) -> N
     kv.index_copy_(4, dst, kv.index_select(4, src))
 
 
-def attach_target(runner, model: nn.Module, feature_layers: list[int], refusal: str, compile: bool = False) -> None:
+def attach_target(runner, model: nn.Module, feature_layers: list[int], refusal: str, compile: bool = False,
+                  float32_kernel: bool = False) -> None:
     """The part of a static-buffer runner's set-up every runner shares: refuse a model the buffers cannot serve
     (NotImplementedError starting with `refusal`), then set runner.model, .feature_layers, .capture (hooks on those
     decoder layers, or None), .dtype, .device, .attention (the kernel switched in per session, which depends on
-    whether the runner's steps are `compile`d; attention.py) and .small_rows (bf16 on a CPU with AVX512-BF16: the
-    model's linears multiply a step's few rows with small_gemm's kernel inside a session; eager or compiled)."""
+    whether the runner's steps are `compile`d; attention.py) and .small_rows (bf16 on a CPU with AVX512-BF16, and
+    with `float32_kernel` float32 on one with AVX2: the model's linears multiply a step's few rows with small_gemm's
+    kernel inside a session; eager or compiled)."""
     reason = static_cache_supported(model)
     if reason is not None:
         raise NotImplementedError(f"{refusal} {reason}")
@@ -117,7 +119,7 @@ def attach_target(runner, model: nn.Module, feature_layers: list[int], refusal: 
     runner.dtype = next(model.parameters()).dtype
     runner.device = next(model.parameters()).device
     runner.attention = decoding_attention(runner.device, runner.dtype, compile)
-    runner.small_rows = use_small_row_kernel(model) > 0
+    runner.small_rows = use_small_row_kernel(model, float32=float32_kernel) > 0
 
 
 def decoding_session(runner, max_rows: int = KERNEL_ROWS) -> contextlib.AbstractContextManager:

@@ -81,7 +81,8 @@ def test_conversion_keeps_parameters_ties_and_state_dict():
     assert list(target.state_dict()) == keys
     assert target.lm_head.weight is target.model.embed_tokens.weight
     assert use_small_row_kernel(target) == converted  # converting twice is a no-op
-    assert use_small_row_kernel(tiny_model("llama")) == 0  # float32: nothing to convert
+    assert use_small_row_kernel(tiny_model("llama")) == 0  # float32: only when asked (the batch runner)
+    assert use_small_row_kernel(tiny_model("llama"), float32=True) == converted  # small_gemm_avx2.cpp
 
 
 @pytest.mark.parametrize("compile", [False, True])
