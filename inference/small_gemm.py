@@ -65,9 +65,11 @@ def eligible(module: nn.Module, float32: bool = False) -> bool:
             and avx2_kernels_available())
 
 
-def _kernels(dtype: torch.dtype):
-    """The op library whose small_linear / pack_weight take weights of `dtype`."""
-    return torch.ops.drafthead_kernels if dtype == torch.bfloat16 else torch.ops.drafthead_avx2
+def _kernels(dtype: torch.dtype) -> tuple:
+    """The op library whose small_linear / pack_weight take weights of `dtype`, and its output columns a block."""
+    if dtype == torch.bfloat16:
+        return torch.ops.drafthead_kernels, BLOCK
+    return torch.ops.drafthead_avx2, FLOAT_BLOCK
 
 
 @contextlib.contextmanager
@@ -212,9 +214,8 @@ def use_small_row_kernel(model: nn.Module, float32: bool = False) -> int:
     if not linears:
         return 0
     for group in _sibling_groups(model, [m for m in linears if not isinstance(m, SmallRowLinear)]):
-        kernels = _kernels(group[0].weight.dtype)
+        kernels, block = _kernels(group[0].weight.dtype)
         packed = torch.cat([kernels.pack_weight(m.weight.detach()) for m in group])
-        block = BLOCK if group[0].weight.dtype == torch.bfloat16 else FLOAT_BLOCK
         start = 0
         for module in group:
             blocks = module.out_features // block
@@ -257,11 +258,13 @@ class FuseSiblingLinears(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         module = graph.owning_module
         ops = {}  # op -> (its get_attr operands after x, output columns per packed block)
-        if kernels_available():
-            ops[torch.ops.drafthead_kernels.small_linear.default] = (1, BLOCK)
-            ops[torch.ops.drafthead_kernels.small_linear_int8.default] = (2, BLOCK)
-        if avx2_kernels_available():
-            ops[torch.ops.drafthead_avx2.small_linear.default] = (1, FLOAT_BLOCK)
+        for library, name, operands, block in (("drafthead_kernels", "small_linear", 1, BLOCK),
+                                               ("drafthead_kernels", "small_linear_int8", 2, BLOCK),
+                                               ("drafthead_avx2", "small_linear", 1, FLOAT_BLOCK)):
+            try:
+                ops[getattr(getattr(torch.ops, library), name).default] = (operands, block)
+            except AttributeError:  # that library was never loaded (not this CPU, or not this dtype): no call
+                pass
         by_input: dict[tuple, list[torch.fx.Node]] = {}
         for node in graph.nodes:
             operands = ops[node.target][0] if node.op == "call_function" and node.target in ops else None

@@ -5,8 +5,9 @@
 // bound by reading the weights once. PyTorch's float32 linear (MKL) does not stream them at that size on an AVX2
 // EPYC (SmolLM2-135M's lm_head at 8 rows: ~2.5 GB/s). The weight is packed once into 16-column blocks, each
 // stored k by k (16 floats, two vectors, per k), so one pass streams a block front to back while 4 rows'
-// accumulators stay in registers; more rows take the same 256-k piece of the block again from L1. Each output element is summed over k in order whatever the
-// number of rows, so a row's result does not depend on what else is in the batch.
+// accumulators stay in registers; more rows take the same 256-k piece of the block again from L1. Each output
+// element is summed over k in order whatever the number of rows, so a row's result does not depend on what else
+// is in the batch.
 //
 // Layout of `packed`: (N/16, K, 16) float; element [b, k, c] = W[16 b + c, k].
 
