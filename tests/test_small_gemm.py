@@ -144,21 +144,23 @@ def test_a_batch_runners_verify_multiplies_rows_times_tree_tokens_with_the_kerne
 class Projections(nn.Module):
     """An attention's projections: q, k and v read the same input, o another one."""
 
-    def __init__(self):
+    def __init__(self, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         torch.manual_seed(0)
-        self.q, self.k, self.v, self.o = (nn.Linear(64, n, bias=False).to(torch.bfloat16) for n in (64, 32, 32, 64))
+        self.q, self.k, self.v, self.o = (nn.Linear(64, n, bias=False).to(dtype) for n in (64, 32, 32, 64))
 
 
 class KernelCalls(nn.Module):
-    """The projections' kernel calls as a compiled step's graph holds them (weights read with get_attr)."""
+    """The projections' kernel calls as a compiled step's graph holds them (weights read with get_attr); `library`:
+    the op library of the projections' dtype."""
 
-    def __init__(self, projections: Projections):
+    def __init__(self, projections: Projections, library: str = "drafthead_kernels"):
         super().__init__()
         self.p = projections
+        self.library = library
 
     def forward(self, x):
-        op = torch.ops.drafthead_kernels.small_linear.default
+        op = getattr(torch.ops, self.library).small_linear.default
         return (op(x, self.p.q.packed, None), op(x, self.p.k.packed, None) * 2, op(x, self.p.v.packed, None),
                 op(x + 1, self.p.o.packed, None))
 

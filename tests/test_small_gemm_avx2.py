@@ -106,36 +106,14 @@ def test_the_batch_runner_verifies_float32_with_the_kernel_and_pytorchs_logits(c
     torch.testing.assert_close(features, ref_features, rtol=1e-4, atol=1e-4)
 
 
-class Projections(nn.Module):
-    """An attention's projections: q, k and v read the same input, o another one."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.q, self.k, self.v, self.o = (nn.Linear(64, n, bias=False) for n in (64, 32, 32, 64))
-
-
-class KernelCalls(nn.Module):
-    """The projections' kernel calls as a compiled step's graph holds them (weights read with get_attr)."""
-
-    def __init__(self, projections: Projections):
-        super().__init__()
-        self.p = projections
-
-    def forward(self, x):
-        op = torch.ops.drafthead_avx2.small_linear.default
-        return (op(x, self.p.q.packed, None), op(x, self.p.k.packed, None) * 2, op(x, self.p.v.packed, None),
-                op(x + 1, self.p.o.packed, None))
-
-
 def test_float32_siblings_sharing_an_input_become_one_call_with_bit_identical_results():
-    from test_small_gemm import fused_calls
+    from test_small_gemm import KernelCalls, Projections, fused_calls
 
-    projections = Projections()
+    projections = Projections(torch.float32)
     assert use_small_row_kernel(projections, float32=True) == 4
     packed = [getattr(projections, name).packed for name in "qkvo"]
     assert len({p.untyped_storage().data_ptr() for p in packed}) == 1  # one buffer, no copy
     x = torch.randn(3, 64)
-    after = fused_calls(KernelCalls(projections), torch.ops.drafthead_avx2.small_linear.default, x)
+    after = fused_calls(KernelCalls(projections, "drafthead_avx2"), torch.ops.drafthead_avx2.small_linear.default, x)
     with small_row_kernel():  # and the modules' own path agrees with both
         assert torch.equal(projections.k(x) * 2, after[1])
