@@ -8,7 +8,8 @@ fast runner uses this on CPU in low precision. Grouped-query attention folds the
 the query axis instead of repeating the keys (no copy of the KV buffer per step).
 
 On a CPU with AVX512-BF16, in bf16, the runners use `kernel_attention` instead: prefix_attention.cpp reads only
-the used slots of the buffer in place (the matmuls either read the whole buffer or copy its strided prefix).
+the used slots of the buffer in place (the matmuls either read the whole buffer or copy its strided prefix); in
+float32 on a CPU with AVX2, prefix_attention_avx2.cpp does the same.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import torch.nn as nn
 from transformers import AttentionInterface
 
-from .cpu_kernels import kernels_available
+from .cpu_kernels import avx2_kernels_available, kernels_available
 
 NAME = "drafthead_matmul"
 # Inside a compiled step, query blocks up to this size are traced (attend() inline: the compiler fuses the mask,
@@ -116,26 +117,43 @@ def matmul_attention(
 AttentionInterface.register(NAME, matmul_attention)
 
 KERNEL_NAME = "drafthead_kernel"
-KERNEL_MAX_QUERIES = 16  # prefix_attention.cpp's limit: decoding steps and trees (a prompt's chunks go elsewhere)
+KERNEL_MAX_QUERIES = 16  # the kernels' limit: decoding steps and trees (a prompt's chunks go elsewhere)
+
+
+_KERNEL_OPS: dict[torch.dtype, object] = {}  # filled by kernel_op, read by kernel_attention (traced: no build there)
+
+
+def kernel_op(dtype: torch.dtype):
+    """The prefix-attention kernel for `dtype` on this CPU, or None: prefix_attention.cpp (AVX512-BF16) for bf16,
+    prefix_attention_avx2.cpp (AVX2) for float32. Builds it on first use (decoding_attention calls this when a
+    runner is set up, before any step is traced)."""
+    if dtype == torch.bfloat16 and kernels_available():
+        _KERNEL_OPS[dtype] = torch.ops.drafthead_kernels.prefix_attention
+    if dtype == torch.float32 and avx2_kernels_available():
+        _KERNEL_OPS[dtype] = torch.ops.drafthead_avx2.prefix_attention
+    return _KERNEL_OPS.get(dtype)
 
 
 def kernel_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
                      drafthead_kv_length: torch.Tensor | None = None, drafthead_rows: torch.Tensor | None = None,
                      **kwargs) -> tuple[torch.Tensor, None]:
-    """prefix_attention.cpp's AVX512-BF16 kernel (bf16, up to KERNEL_MAX_QUERIES queries): reads the used slots
-    of the buffer in place, float32 softmax; anything else goes to matmul_attention. Against the traced matmuls
-    over the whole buffer (SmolLM2-135M's shapes, one layer, 2-core Zen 4 EPYC): 1 query over 300 of 1152 slots
-    15 vs 96 us, 8 over 1000 80 vs 187 us, 16 over 1152 177 vs 283 us."""
+    """The C++ prefix-attention kernels (kernel_op: bf16 with AVX512-BF16, float32 with AVX2; up to
+    KERNEL_MAX_QUERIES queries): read the used slots of the buffer in place, each KV head's keys and values once
+    for all its queries, float32 softmax; anything else goes to matmul_attention. Against the traced matmuls over the
+    whole buffer (SmolLM2-135M's shapes, one layer, 2-core Zen 4 EPYC, bf16): 1 query over 300 of 1152 slots 15 vs
+    96 us, 8 over 1000 80 vs 187 us, 16 over 1152 177 vs 283 us. float32, 2-core Zen 3 EPYC, 8 rows × 8,256 keys:
+    1 query 10.9 vs 18.4 ms, 4 queries 17.3 vs 24.8 ms (against the matmul op)."""
     b, _, n, d = query.shape
-    if (n > KERNEL_MAX_QUERIES or attention_mask is None or query.dtype != torch.bfloat16 or d not in (32, 64, 128)
-            or attention_mask.shape[-1] < key.shape[2] or not (key.is_contiguous() and value.is_contiguous())):
+    op = _KERNEL_OPS.get(query.dtype)
+    if (op is None or n > KERNEL_MAX_QUERIES or attention_mask is None or d not in (32, 64, 128)
+            or attention_mask.dtype not in (query.dtype, torch.float32) or attention_mask.shape[-1] < key.shape[2]
+            or not (key.is_contiguous() and value.is_contiguous())):
         return matmul_attention(module, query, key, value, attention_mask, scaling, dropout, drafthead_kv_length,
                                 drafthead_rows, **kwargs)
     length = drafthead_kv_length if drafthead_kv_length is not None else torch.tensor(key.shape[2])
     rows = drafthead_rows if drafthead_rows is not None else torch.tensor(b)
-    return torch.ops.drafthead_kernels.prefix_attention(query, key, value, attention_mask, scaling, length,
-                                                        rows), None
+    return op(query, key, value, attention_mask, scaling, length, rows), None
 
 
 AttentionInterface.register(KERNEL_NAME, kernel_attention)
@@ -181,9 +199,9 @@ def prefers_matmul_attention(device: torch.device, dtype: torch.dtype, compiled:
 
 
 def decoding_attention(device: torch.device, dtype: torch.dtype, compiled: bool = False) -> str | None:
-    """The attention a fast runner's decoding steps dispatch to: the AVX512-BF16 kernel for bf16 on a CPU that has
-    it (cpu_kernels.py), the matmul kernel where prefers_matmul_attention, else None (the model's own)."""
-    if device.type == "cpu" and dtype == torch.bfloat16 and kernels_available():
+    """The attention a fast runner's decoding steps dispatch to: the C++ kernel for its dtype where the CPU has one
+    (kernel_op), the matmul kernel where prefers_matmul_attention, else None (the model's own)."""
+    if device.type == "cpu" and kernel_op(dtype) is not None:
         return KERNEL_NAME
     return NAME if prefers_matmul_attention(device, dtype, compiled) else None
 

@@ -1,7 +1,7 @@
 """Builds and loads this project's CPU kernels: the AVX512-BF16 extension (the `drafthead_kernels` op library):
 small_gemm.cpp (bf16 linears of a few rows, used by small_gemm.py) and prefix_attention.cpp (attention of a few
-queries over the used prefix of a KV buffer, used by attention.py); and the AVX2 one (`drafthead_avx2`):
-small_gemm_avx2.cpp (float32 linears of a few rows, for CPUs where float32 is the fast dtype).
+queries over the used prefix of a KV buffer, used by attention.py); and the AVX2 one (`drafthead_avx2`), their
+float32 counterparts for CPUs where float32 is the fast dtype: small_gemm_avx2.cpp and prefix_attention_avx2.cpp.
 
 They are compiled on first use with the C++ compiler PyTorch's own CPU compilation needs (~40 s, cached in torch's
 extension folder), only where the CPU has the instructions (AVX512-BF16's `vdpbf16ps`; AVX2 and FMA); elsewhere
@@ -20,7 +20,7 @@ from drafthead.hardware import cpu_flags
 
 SOURCES = ("small_gemm.cpp", "prefix_attention.cpp")
 BLOCK = 32  # output columns per packed weight block (small_gemm.cpp)
-AVX2_SOURCES = ("small_gemm_avx2.cpp",)
+AVX2_SOURCES = ("small_gemm_avx2.cpp", "prefix_attention_avx2.cpp")
 FLOAT_BLOCK = 16  # output columns per packed float32 weight block (small_gemm_avx2.cpp)
 
 
@@ -69,7 +69,7 @@ def kernels_available() -> bool:
 
 @functools.cache
 def avx2_kernels_available() -> bool:
-    """True once the float32 AVX2 kernel is built and loaded; builds it on the first call where the CPU has AVX2
+    """True once the float32 AVX2 kernels are built and loaded; builds it on the first call where the CPU has AVX2
     and FMA."""
     if "avx2" not in cpu_flags():  # (every x86 CPU with AVX2 has FMA too: Haswell, Zen)
         return False
@@ -79,5 +79,10 @@ def avx2_kernels_available() -> bool:
     @torch.library.register_fake("drafthead_avx2::small_linear")
     def _(x, packed, bias):
         return x.new_empty(*x.shape[:-1], packed.shape[0] * FLOAT_BLOCK)
+
+    @torch.library.register_fake("drafthead_avx2::prefix_attention")
+    def _(query, key, value, mask, scaling, length, rows):
+        b, heads, n, d = query.shape
+        return query.new_empty(b, n, heads, d)
 
     return True

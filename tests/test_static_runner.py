@@ -146,20 +146,23 @@ def test_bf16_static_runner_uses_its_attention_kernel_and_restores_the_model():
     assert target.config._attn_implementation == before  # switched only while decoding
 
 
-def test_compiled_cpu_runners_attend_through_the_matmul_kernel_in_every_dtype():
-    """Compiled CPU steps trace the matmul kernel (fused; faster than SDPA there in fp32 too); eager fp32 keeps SDPA."""
+def test_float32_cpu_runners_attend_through_the_avx2_kernel_else_the_matmul_kernel():
+    """float32 on CPU: every runner (eager or compiled) and the head attend through prefix_attention_avx2.cpp where
+    the CPU has AVX2 (test_prefix_attention.py); elsewhere compiled steps trace the matmul kernel (fused; faster
+    than SDPA there in fp32 too) and eager steps keep SDPA."""
+    from inference.attention import kernel_op
     from inference.batch_runner import BatchRunner
     from inference.head_runner import HeadRunner
 
     target = tiny_model("llama")  # float32
-    assert StaticRunner(target, [], compile=True).attention == "drafthead_matmul"
-    assert BatchRunner(target, [], compile=True).attention == "drafthead_matmul"
-    assert StaticRunner(target, []).attention is None
+    kernel = kernel_op(torch.float32) is not None
+    compiled = "drafthead_kernel" if kernel else "drafthead_matmul"
+    assert StaticRunner(target, [], compile=True).attention == compiled
+    assert BatchRunner(target, [], compile=True).attention == compiled
+    assert StaticRunner(target, []).attention == ("drafthead_kernel" if kernel else None)
     head = oracle_head(target).attach_target(target)
-    HeadRunner(head)
-    assert head.midlayer.self_attn.config._attn_implementation != "drafthead_matmul"
     HeadRunner(head, compile=True)
-    assert head.midlayer.self_attn.config._attn_implementation == "drafthead_matmul"
+    assert head.midlayer.self_attn.config._attn_implementation == compiled
 
 
 def test_sliding_window_target_falls_back_to_eager(capsys):
