@@ -142,8 +142,9 @@ def kernel_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     KERNEL_MAX_QUERIES queries): read the used slots of the buffer in place, each KV head's keys and values once
     for all its queries, float32 softmax; anything else goes to matmul_attention. Against the traced matmuls over the
     whole buffer (SmolLM2-135M's shapes, one layer, 2-core Zen 4 EPYC, bf16): 1 query over 300 of 1152 slots 15 vs
-    96 us, 8 over 1000 80 vs 187 us, 16 over 1152 177 vs 283 us. float32, 2-core Zen 3 EPYC, 8 rows × 8,256 keys:
-    1 query 10.9 vs 18.4 ms, 4 queries 17.3 vs 24.8 ms (against the matmul op)."""
+    96 us, 8 over 1000 80 vs 187 us, 16 over 1152 177 vs 283 us. float32 against the matmul op, 2-core Zen 3 EPYC,
+    8 rows × 8,256 keys: 1 query 18.4 vs 10.9 ms, 4 queries 24.8 vs 17.3 ms for the kernel's first version, which
+    the kept one beats by 1.3-1.6× (results/prefix_attention_avx2_ab_zen3.json)."""
     b, _, n, d = query.shape
     op = _KERNEL_OPS.get(query.dtype)
     if (op is None or n > KERNEL_MAX_QUERIES or attention_mask is None or d not in (32, 64, 128)

@@ -69,8 +69,8 @@ def kernels_available() -> bool:
 
 @functools.cache
 def avx2_kernels_available() -> bool:
-    """True once the float32 AVX2 kernels are built and loaded; builds it on the first call where the CPU has AVX2
-    and FMA."""
+    """True once the float32 AVX2 kernels are built and loaded; builds them on the first call where the CPU has
+    AVX2 and FMA."""
     if "avx2" not in cpu_flags():  # (every x86 CPU with AVX2 has FMA too: Haswell, Zen)
         return False
     if not _build("drafthead_avx2_kernels", AVX2_SOURCES, ["-mavx2", "-mfma"], "AVX2"):
