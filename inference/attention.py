@@ -148,7 +148,7 @@ def kernel_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     b, _, n, d = query.shape
     op = _KERNEL_OPS.get(query.dtype)
     if (op is None or n > KERNEL_MAX_QUERIES or attention_mask is None or d not in (32, 64, 128)
-            or attention_mask.dtype not in (query.dtype, torch.float32) or attention_mask.shape[-1] < key.shape[2]
+            or attention_mask.dtype not in (torch.float32, query.dtype) or attention_mask.shape[-1] < key.shape[2]
             or not (key.is_contiguous() and value.is_contiguous())):
         return matmul_attention(module, query, key, value, attention_mask, scaling, dropout, drafthead_kv_length,
                                 drafthead_rows, **kwargs)
