@@ -178,8 +178,10 @@ def choose_tree(args, model, head, tokenizer, inputs, runner,
     if report["draft_vocab"]:
         head = vocab_heads[report["draft_vocab"]["chosen"]]
     lookup = bool(report["lookup_branch"] and report["lookup_branch"]["chosen"])
-    return options, {"auto": report, "chosen": dataclasses.asdict(options) if options else "none",
-                     "lookup_branch": lookup}, head
+    info = {"auto": report, "chosen": dataclasses.asdict(options) if options else "none", "lookup_branch": lookup}
+    if lookup:  # what the largest verify bucket leaves beside the tree, at most --hybrid-tokens
+        info["lookup_tokens"] = report["lookup_branch"]["tokens"]
+    return options, info, head
 
 
 METHODS = {
@@ -238,8 +240,9 @@ def build_methods(args, model, head, tokenizer, eos, runner, options: TreeOption
     if "engine_plain" in wanted:
         methods.append(Method("engine_plain", engine(None), model, head))
     if "speculative" in wanted:  # options None: the tuner chose plain decoding
-        branch = dict(hybrid=True, lookup_tokens=args.hybrid_tokens) if tree_info.get("lookup_branch") else {}
-        depth = 0 if options is None else max(options.depth, args.hybrid_tokens if branch else 0)
+        tokens = tree_info.get("lookup_tokens", args.hybrid_tokens)
+        branch = dict(hybrid=True, lookup_tokens=tokens) if tree_info.get("lookup_branch") else {}
+        depth = 0 if options is None else max(options.depth, tokens if branch else 0)
         methods.append(Method(f"speculative_{args.tree}", engine(options, **branch), model, head, depth))
         if "tree_alone" in wanted and branch:
             methods.append(Method("tree_alone", engine(options), model, head, options.depth))

@@ -328,7 +328,8 @@ def auto_tree(
     when plain decoding on the same runner was measured at least as fast as every tree in the trial.
     lookup_tokens > 0: the chosen tree then decodes once more with the prompt-lookup branch of up to that many
     tokens (hybrid drafting, hybrid.py) against itself alone, and report["lookup_branch"]["chosen"] says whether
-    the branch was measured at least as fast (then generate with hybrid=True and these lookup_tokens).
+    the branch was measured at least as fast (then generate with hybrid=True and report["lookup_branch"]["tokens"]:
+    on a static runner the branch gets at most what the largest verify bucket leaves beside the tree).
     vocab_heads ({draft vocabulary size: head pruned to it}): the chosen tree then decodes with each
     (choose_draft_vocab), before the lookup branch is tried with the fastest; report["draft_vocab"]["chosen"] names
     it. The tree itself is tuned with `head`."""
@@ -394,10 +395,17 @@ def auto_tree(
         draft_vocab = {"chosen": size, "trial": {str(k): v for k, v in rates.items()}}
     lookup_branch = None
     if options is not None and lookup_tokens > 0:
-        rates = measure_lookup_branch(model, head, runner, options, lookup_tokens, calibration_inputs,
-                                      max_new_tokens)
-        lookup_branch = {"tokens": lookup_tokens, "chosen": rates[True] >= rates[False],
-                         "tokens_per_s": {"tree_alone": rates[False], "with_lookup": rates[True]}}
+        # the branch's nodes come on top of the tree's: a static runner's largest bucket bounds the two together
+        buckets = getattr(runner, "buckets", None)
+        branch_tokens = min(lookup_tokens, buckets[-1] - options.tree_size) if buckets else lookup_tokens
+        if branch_tokens < 1:
+            lookup_branch = {"tokens": 0, "chosen": False, "tokens_per_s": None,
+                             "skipped": f"the tree fills the runner's largest verify bucket ({buckets[-1]})"}
+        else:
+            rates = measure_lookup_branch(model, head, runner, options, branch_tokens, calibration_inputs,
+                                          max_new_tokens)
+            lookup_branch = {"tokens": branch_tokens, "chosen": rates[True] >= rates[False],
+                             "tokens_per_s": {"tree_alone": rates[False], "with_lookup": rates[True]}}
     gpu = TREE_PRESETS["gpu"]
     gpu_tree = None  # the GPU preset's prediction, where the runner verifies a tree that large
     if gpu.total_tokens <= max(verify_ms):
@@ -423,7 +431,9 @@ def auto_tree(
     }
     if verbose:
         choice = f"depth={depth} top_k={top_k} total_tokens={total}" if options else "none (plain decoding)"
-        if lookup_branch is not None:
+        if lookup_branch is not None and lookup_branch["tokens_per_s"] is None:
+            choice += f", without the prompt-lookup branch ({lookup_branch['skipped']})"
+        elif lookup_branch is not None:
             rates = lookup_branch["tokens_per_s"]
             choice += (f", {'with' if lookup_branch['chosen'] else 'without'} the prompt-lookup branch "
                        f"({rates['with_lookup']:.1f} vs {rates['tree_alone']:.1f} tok/s alone)")

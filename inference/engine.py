@@ -45,7 +45,7 @@ from .prompt_lookup import PromptLookupDrafter
 from .runner import make_runner
 from .self_draft import StreamingSelfDrafter
 from .sampling import SamplingParams, pick_next, target_probs
-from .static_runner import bucket_for, compile_setting
+from .static_runner import bucket_for, check_tree_fits, compile_setting
 from .tree import DraftTree, TreeDrafter, TreeOptions, tree_options
 from .verify import verify_greedy, verify_sampling
 
@@ -225,6 +225,8 @@ class SpeculativeGenerator:
         if hybrid and not isinstance(self.drafter, HybridDrafter):
             raise ValueError("hybrid=True adds prompt lookup to a draft head; this draft is not a head")
         self.plain = isinstance(self.drafter, PlainDrafter)
+        if self._runner is not None and not self.batch_only:
+            check_tree_fits(self.drafter, self._runner)
         # batched decoding: speculate on every step, or only where it pays (batch_switch.py)
         if isinstance(speculate, SpeculationSwitch):
             self.switch = speculate
@@ -244,7 +246,8 @@ class SpeculativeGenerator:
     def runner(self):
         """The target runner (built on first use, then reused across generate calls; or the one passed in)."""
         if self._runner is None:
-            self._runner = make_runner(self.target, self.drafter.feature_layers, self.runner_kind, self.compile)
+            self._runner = make_runner(self.target, self.drafter.feature_layers, self.runner_kind, self.compile,
+                                       largest_tree=max(self.drafter.tree_sizes()))
         return self._runner
 
     def warmup(self, max_length: int) -> dict[int, float]:

@@ -19,7 +19,7 @@ from transformers import DynamicCache
 from drafthead.capture import HiddenStateCapture
 from drafthead.masks import to_additive
 
-from .static_runner import StaticRunner, static_cache_supported
+from .static_runner import DEFAULT_BUCKETS, StaticRunner, static_cache_supported
 
 
 class TargetRunner:
@@ -117,13 +117,17 @@ class TargetRunner:
             layer.values = layer.values[:, :, : past + m]
 
 
-def make_runner(model: nn.Module, feature_layers: list[int], kind: str = "auto", compile: bool = False):
+def make_runner(model: nn.Module, feature_layers: list[int], kind: str = "auto", compile: bool = False,
+                largest_tree: int = 1):
     """The runner of a causal LM: "static" (preallocated buffers, static_runner.py), "eager" (DynamicCache) or
-    "auto" (static where the architecture allows it, else eager with a one-line message)."""
+    "auto" (static where the architecture allows it, else eager with a one-line message). largest_tree: the
+    largest verification tree (root included) it must take; the static runner's default buckets get one more
+    bucket of that size where they stop short of it."""
     if kind in ("auto", "static"):
         reason = static_cache_supported(model)
         if reason is None:
-            return StaticRunner(model, feature_layers, compile=compile)
+            buckets = DEFAULT_BUCKETS + ((largest_tree,) if largest_tree > DEFAULT_BUCKETS[-1] else ())
+            return StaticRunner(model, feature_layers, buckets=buckets, compile=compile)
         if kind == "static":
             raise NotImplementedError(f"the static runner does not support {reason}")
         print(f"drafthead: {type(model).__name__} has {reason}; using the eager runner (DynamicCache)",

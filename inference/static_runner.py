@@ -156,6 +156,17 @@ def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     raise ValueError(f"a tree of {n} tokens exceeds the largest verify bucket {buckets[-1]}")
 
 
+def check_tree_fits(drafter, runner) -> None:
+    """Refuse, before decoding starts, a drafter whose trees (drafter.tree_sizes(), root included) outgrow the
+    runner's largest verify bucket; a runner without buckets (eager) takes any size."""
+    buckets = getattr(runner, "buckets", None)
+    largest = max(drafter.tree_sizes())
+    if buckets and largest > buckets[-1]:
+        raise ValueError(f"the {getattr(drafter, 'name', type(drafter).__name__)} drafter's trees reach {largest} tokens (root included) but the "
+                         f"runner's largest verify bucket is {buckets[-1]}: draft a smaller tree (or fewer "
+                         f"lookup_tokens) or use a runner with a larger bucket")
+
+
 class StaticRunner:
     """Target runner over preallocated KV buffers; see the module docstring."""
 

@@ -97,7 +97,8 @@ def test_bench_measures_every_drafter_in_one_run(tmp_path):
 
 def test_auto_lookup_branch_makes_the_speculative_method_hybrid(tmp_path):
     """When --tree auto kept the prompt-lookup branch, the main speculative method drafts with it (a hybrid
-    drafter with --hybrid-tokens) and tree_alone is the same tree without it; otherwise tree_alone is not run."""
+    drafter with --hybrid-tokens, or the fewer tokens the tuner measured) and tree_alone is the same tree without
+    it; otherwise tree_alone is not run."""
     from transformers import AutoModelForCausalLM
 
     from inference.bench import build_methods, build_parser
@@ -117,6 +118,8 @@ def test_auto_lookup_branch_makes_the_speculative_method_hybrid(tmp_path):
     main, alone = kept[2].generator.drafter, kept[3].generator.drafter
     assert isinstance(main, HybridDrafter) and main.lookup.num_tokens == 5 and main.head.opt == tree
     assert isinstance(alone, TreeDrafter) and alone.opt == tree
+    capped = build_methods(args, model, head, None, None, runner, tree, {"lookup_branch": True, "lookup_tokens": 3})
+    assert capped[2].generator.drafter.lookup.num_tokens == 3  # what the tuner measured, beside the tree
     dropped = build_methods(args, model, head, None, None, runner, tree, {"lookup_branch": False})
     assert [m.name for m in dropped] == ["plain", "engine_plain", "speculative_auto"]
     assert isinstance(dropped[2].generator.drafter, TreeDrafter)

@@ -106,6 +106,24 @@ def test_hybrid_oracle_head_accepts_long_paths(runner):
     assert all(set(s.drafted_by) == {"head", "prompt_lookup"} for s in stats)
 
 
+def test_hybrid_trees_fit_the_runner_or_are_refused_before_decoding():
+    """The head's tree plus the lookup branch may outgrow the static runner's default buckets (the gpu preset's 61
+    nodes + 10): the generator's own runner then gets a bucket that large and decodes losslessly; a runner passed in
+    whose largest bucket is too small is refused at construction, saying what does not fit."""
+    from inference.static_runner import DEFAULT_BUCKETS, StaticRunner
+
+    target = near_bigram_target("llama", eps=0.05)
+    head = random_head(target).attach_target(target)
+    gen = SpeculativeGenerator(target, head, tree="gpu", runner="static", hybrid=True, lookup_tokens=10)
+    largest = max(gen.drafter.tree_sizes())
+    assert largest > DEFAULT_BUCKETS[-1] and gen.runner.buckets[-1] == largest
+    assert_greedy_lossless(target, gen, n_prompts=2, max_new=12)
+    small = StaticRunner(target, head.config.aux_layer_ids, buckets=(1, 4, 8))
+    with pytest.raises(ValueError, match="trees reach 10 tokens .* largest verify bucket is 8"):
+        SpeculativeGenerator(target, head, tree=TreeOptions(depth=2, top_k=2, total_tokens=5), runner=small,
+                             hybrid=True, lookup_tokens=4)
+
+
 # -------------------------------------------------------------------------------------------------- draft model
 def draft_pair(arch: str, close: bool):
     """A target and a smaller draft model (2 layers) with the same vocabulary. close=True: both near-bigram models
