@@ -80,6 +80,10 @@ def avx2_kernels_available() -> bool:
     def _(x, packed, bias):
         return x.new_empty(*x.shape[:-1], packed.shape[0] * FLOAT_BLOCK)
 
+    @torch.library.register_fake("drafthead_avx2::small_linear_int8")
+    def _(x, packed, columns, bias):
+        return x.new_empty(*x.shape[:-1], packed.shape[0] * FLOAT_BLOCK)
+
     @torch.library.register_fake("drafthead_avx2::prefix_attention")
     def _(query, key, value, mask, scaling, length, rows):
         b, heads, n, d = query.shape

@@ -38,13 +38,14 @@ KERNEL_ROWS = 16
 # 8 / 16 / 32 / 64 rows against oneDNN's 27.3 / 30.7 / 44.8 / 75.2; in the batch runner's compiled verify step
 # (8 rows × 8k keys, scripts/verify_cost.py) 3-5 tokens a row cost 6-7 % less than with the limit at 16
 BATCH_KERNEL_ROWS = 64
-# float32 (small_gemm_avx2.cpp) up to this many rows, whatever the session allows: past it MKL's GEMM is as fast.
-# Single linears, 2-core AVX2 EPYC (Zen 3), kernel / F.linear ms at 8 rows: 576->3072 0.6 / 1.0, 576->49152
-# (lm_head) 17 / 46; at 16: 2.1 / 2.8, 23 / 56; at 32: 2.5 / 1.9, 38 / 63. Only the batch runner converts float32
-# linears (use_small_row_kernel(float32=True)): its compiled steps of 8 rows × 1k keys cost 142 ms with the kernel
-# against 251 without (2 tokens a row: 204 / 285); the single-sequence engine's compiled steps (1 row, inductor's
-# frozen MKL GEMMs) were 7 % slower with it (10 MT-bench prompts, plain 24.7 -> 22.9 tokens/s)
-FLOAT_KERNEL_ROWS = 16
+# float32 (small_gemm_avx2.cpp) takes as many rows as the session allows. Single linears, 2-core AVX2 EPYC (Zen 3),
+# 2026-11-28, kernel / F.linear ms: 576->49152 (lm_head) at 1 / 8 / 16 / 32 / 64 rows 8.3 / 17.6, 8.1 / 40.8,
+# 12.9 / 45.0, 23.4 / 66.5, 42.0 / 79.8; 576->1536 at 8 / 32 / 64 rows 0.17 / 0.32, 0.68 / 0.87, 1.26 / 1.48 (before
+# its row loops were unrolled, GCC kept the accumulators in memory and MKL won from 32 rows, so 16 was the limit).
+# Only the batch runner converts float32 linears (use_small_row_kernel(float32=True)): its compiled steps of 8 rows ×
+# 1k keys cost 142 ms with the kernel against 251 without (2 tokens a row: 204 / 285); the single-sequence engine's
+# compiled steps (1 row, inductor's frozen MKL GEMMs) were 7 % slower with it (10 MT-bench prompts, plain 24.7 ->
+# 22.9 tokens/s; measured before the unrolling)
 
 # the row limit inside small_row_kernel() (0: outside); a module global, so a compiled step guards on it (a module
 # attribute would not be guarded: the compiled steps skip guards on nn.Module state)
@@ -97,8 +98,7 @@ class SmallRowLinear(nn.Linear):
         if _row_limit and x.dtype == self.packed.dtype and x.numel() <= _row_limit * x.shape[-1]:
             if x.dtype == torch.bfloat16:
                 return torch.ops.drafthead_kernels.small_linear(x, self.packed, self.bias)
-            if x.numel() <= FLOAT_KERNEL_ROWS * x.shape[-1]:
-                return torch.ops.drafthead_avx2.small_linear(x, self.packed, self.bias)
+            return torch.ops.drafthead_avx2.small_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -108,7 +108,10 @@ class SmallRowLinear(nn.Linear):
 # the weights: with an int8 copy of them (per output column) and each input row quantised to int8 on the fly, a
 # step streams half the bytes (small_gemm.cpp's AVX512-VNNI kernel; SmolLM2-135M's 211 linears at 8 rows, 2-core
 # Zen 4 EPYC: ~9 -> ~5-6 ms). SmolLM2-135M's greedy choices over long real text agree with the bf16 model's
-# at ~96 % (bf16 against float32: ~99 %).
+# at ~96 % (bf16 against float32: ~99 %). A float32 model's int8 copy on an AVX2 CPU goes to small_gemm_avx2.cpp
+# instead: weight-only (x stays float32; the weights are widened to float32 in registers), a quarter of the bytes
+# (SmolLM2's lm_head, 2-core Zen 3: 1 row 6.9 -> 2.5 ms against the float32 kernel; at 8 rows both are bound by
+# their FMAs, ~7-8 ms).
 
 
 class Int8CopyLinear(nn.Linear):
@@ -152,9 +155,12 @@ def pack_int8(quantized: torch.Tensor) -> torch.Tensor:
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, columns: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """x · Wᵀ (+ bias) from an int8 weight (quantize_weight_int8; packed by pack_int8 for the kernel),
-    with each row of x quantised to int8 (scale max|x|/127). Returns x's dtype."""
+    with each row of x quantised to int8 (scale max|x|/127); packed (N/16, K, 16) for the AVX2 kernel, x is not
+    quantised. Returns x's dtype."""
     if weight.dim() == 4:  # packed for the AVX512-VNNI kernel (a bf16 model's: x is bf16 too)
         return torch.ops.drafthead_kernels.small_linear_int8(x, weight, columns, bias)
+    if weight.dim() == 3:  # packed for the AVX2 kernel (a float32 model's): weight-only, x is not quantised
+        return torch.ops.drafthead_avx2.small_linear_int8(x, weight, columns, bias)
     xf = x.float()
     row_scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127
     xq = (xf / row_scale).round().clamp(-127, 127)
@@ -177,8 +183,8 @@ def _sibling_groups(model: nn.Module, linears: list[nn.Linear]) -> list[list[nn.
 @torch.no_grad()
 def use_int8_weights(model: nn.Module) -> int:
     """Give every linear of `model` whose shape allows it (out_features a multiple of 32, in_features of 16) an
-    int8 copy of its weight, used only inside int8_weights(): packed for the kernel where it runs (bf16 on a CPU
-    with AVX512-BF16), plain int8 elsewhere. Parameters and state dict unchanged. Siblings with the same input
+    int8 copy of its weight, used only inside int8_weights(): packed for the kernel where one runs (bf16 on a CPU
+    with AVX512-BF16; float32 on a CPU with AVX2, weight-only), plain int8 elsewhere. Parameters and state dict unchanged. Siblings with the same input
     width lie back to back in one buffer (as use_small_row_kernel packs them), so that FuseSiblingLinears can
     multiply the ones sharing an input in one call. Returns how many linears have one (a second call adds
     nothing)."""
@@ -188,9 +194,15 @@ def use_int8_weights(model: nn.Module) -> int:
         weights, columns = zip(*(quantize_weight_int8(m.weight) for m in group))
         w = group[0].weight
         kernel = w.dtype == torch.bfloat16 and w.device.type == "cpu" and kernels_available()
-        weights = torch.cat([pack_int8(q) if kernel else q for q in weights])
+        avx2 = w.dtype == torch.float32 and w.device.type == "cpu" and avx2_kernels_available()
+        if kernel:
+            weights = torch.cat([pack_int8(q) for q in weights])
+        elif avx2:
+            weights = torch.cat([torch.ops.drafthead_avx2.pack_weight(q) for q in weights])
+        else:
+            weights = torch.cat(weights)
         columns = torch.cat(columns, dim=1).to(w.device)  # (2, N of the group): each module's a column slice
-        per_row = BLOCK if kernel else 1  # output columns per row of the (packed) weight
+        per_row = BLOCK if kernel else FLOAT_BLOCK if avx2 else 1  # output columns per row of the (packed) weight
         column = 0
         for module in group:
             end = column + module.out_features
@@ -207,7 +219,7 @@ def use_small_row_kernel(model: nn.Module, float32: bool = False) -> int:
     """Turn the model's eligible linears into SmallRowLinear in place (parameters, ties and state dict
     unchanged). Returns how many use the kernel; 0 where it is not available (no eligible linear: bf16 needs a CPU
     with AVX512-BF16; float32 is converted only with `float32`, on a CPU with AVX2: the batch runner asks, see
-    FLOAT_KERNEL_ROWS). Sibling linears of one module with the same input width (an attention's q/k/v/o, an MLP's
+    BATCH_KERNEL_ROWS). Sibling linears of one module with the same input width (an attention's q/k/v/o, an MLP's
     gate/up) are packed back to back in one buffer, each module's `packed` a view of it, so that a compiled step
     can multiply the ones that share an input in one call (FuseSiblingLinears)."""
     linears = [m for m in model.modules() if isinstance(m, SmallRowLinear) or eligible(m, float32)]
@@ -260,7 +272,8 @@ class FuseSiblingLinears(CustomGraphPass):
         ops = {}  # op -> (its get_attr operands after x, output columns per packed block)
         for library, name, operands, block in (("drafthead_kernels", "small_linear", 1, BLOCK),
                                                ("drafthead_kernels", "small_linear_int8", 2, BLOCK),
-                                               ("drafthead_avx2", "small_linear", 1, FLOAT_BLOCK)):
+                                               ("drafthead_avx2", "small_linear", 1, FLOAT_BLOCK),
+                                               ("drafthead_avx2", "small_linear_int8", 2, FLOAT_BLOCK)):
             try:
                 ops[getattr(getattr(torch.ops, library), name).default] = (operands, block)
             except AttributeError:  # that library was never loaded (not this CPU, or not this dtype): no call

@@ -9,7 +9,8 @@
 // element is summed over k in order whatever the number of rows, so a row's result does not depend on what else
 // is in the batch.
 //
-// Layout of `packed`: (N/16, K, 16) float; element [b, k, c] = W[16 b + c, k].
+// Layout of `packed`: (N/16, K, 16) float; element [b, k, c] = W[16 b + c, k]. small_linear_int8 takes int8
+// weights in the same layout (a self-draft's int8 copy, one scale per output column) and widens them in L1.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -23,12 +24,28 @@ namespace {
 
 constexpr int64_t kBlock = 16;   // output columns per block (two vectors of 8 floats)
 constexpr int kMaxRows = 4;      // rows accumulated at once (2 x 4 = 8 accumulator registers; more spill)
-constexpr int64_t kChunk = 256;  // k per pass: a block's 256 x 16 floats (16 KB) stay in L1 for every row group
+constexpr int64_t kChunk = 256;  // k per pass: a block's 256 x 16 weights (16 KB float) stay in L1 for every row group
+
+// one k of a packed block: its 16 weights as two vectors of 8 floats (int8 ones widened)
+inline void load_weights(const float* b, __m256& b0, __m256& b1) {
+  b0 = _mm256_loadu_ps(b);
+  b1 = _mm256_loadu_ps(b + 8);
+}
+
+inline void load_weights(const int8_t* b, __m256& b0, __m256& b1) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  b0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+  b1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v)));
+}
 
 // out (rows, 16) (+)= a (rows, chunk) · one packed block's chunk (chunk, 16); `first`: the chunk starts the sum
-template <int kRows>
-void block_dot(const float* a, int64_t lda, const float* b, int64_t chunk, bool first, float* out, int64_t ldo) {
+template <int kRows, typename W>
+void block_dot(const float* a, int64_t lda, const W* b, int64_t chunk, bool first, float* out, int64_t ldo) {
+  // every loop over the rows unrolled: then the accumulators live in registers only (with one loop left rolled,
+  // GCC kept the array in memory too and stored all 8 accumulators on every k: ~1.7x slower at 8 rows)
+  constexpr int64_t kPerLine = 64 / (kBlock * sizeof(W));  // k's of a block per cache line
   __m256 c[kRows][2];
+#pragma GCC unroll 4
   for (int m = 0; m < kRows; ++m) {
     c[m][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + m * ldo);
     c[m][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + m * ldo + 8);
@@ -36,8 +53,9 @@ void block_dot(const float* a, int64_t lda, const float* b, int64_t chunk, bool 
   for (int64_t i = 0; i < chunk; ++i) {
     // the weights one piece ahead (the block's next piece, or the next block's first: they follow in memory), so
     // that they arrive while this piece is multiplied for every row group (no fault past the end: a hint)
-    _mm_prefetch(reinterpret_cast<const char*>(b + (i + kChunk) * kBlock), _MM_HINT_T0);
-    const __m256 b0 = _mm256_loadu_ps(b + i * kBlock), b1 = _mm256_loadu_ps(b + i * kBlock + 8);
+    if (i % kPerLine == 0) _mm_prefetch(reinterpret_cast<const char*>(b + (i + kChunk) * kBlock), _MM_HINT_T0);
+    __m256 b0, b1;
+    load_weights(b + i * kBlock, b0, b1);
 #pragma GCC unroll 4
     for (int m = 0; m < kRows; ++m) {
       const __m256 am = _mm256_broadcast_ss(a + m * lda + i);
@@ -45,52 +63,25 @@ void block_dot(const float* a, int64_t lda, const float* b, int64_t chunk, bool 
       c[m][1] = _mm256_fmadd_ps(am, b1, c[m][1]);
     }
   }
+#pragma GCC unroll 4
   for (int m = 0; m < kRows; ++m) {
     _mm256_storeu_ps(out + m * ldo, c[m][0]);
     _mm256_storeu_ps(out + m * ldo + 8, c[m][1]);
   }
 }
 
-using BlockDot = void (*)(const float*, int64_t, const float*, int64_t, bool, float*, int64_t);
-const BlockDot kBlockDot[kMaxRows + 1] = {nullptr, block_dot<1>, block_dot<2>, block_dot<3>, block_dot<4>};
-
-}  // namespace
-
-// (N, K) float -> (N/16, K, 16): N a multiple of 16
-torch::Tensor pack_weight(const torch::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack_weight: a 2-D float32 weight");
-  const int64_t n = weight.size(0), k = weight.size(1);
-  TORCH_CHECK(n % kBlock == 0, "pack_weight: out_features must be a multiple of 16, got ", weight.sizes());
-  return weight.reshape({n / kBlock, kBlock, k}).permute({0, 2, 1}).contiguous();
-}
-
-// x (..., K) float, packed (N/16, K, 16), bias (N,) or none -> (..., N) float
-torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                           const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(2) == kBlock &&
-                  packed.is_contiguous(),
-              "small_linear: packed weight must be contiguous float (N/16, K, 16), got ", packed.sizes());
-  const int64_t k = x.size(-1), n = packed.size(0) * kBlock;
-  TORCH_CHECK(x.scalar_type() == at::kFloat && k == packed.size(1), "small_linear: x must be float32 with ",
-              packed.size(1), " features, got ", x.scalar_type(), " ", x.sizes());
-  const torch::Tensor rows = x.reshape({-1, k}).contiguous();
-  const int64_t m_total = rows.size(0);
-  torch::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "small_linear: bias of ", n, " elements expected, got ", bias->numel());
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = n;
-  torch::Tensor out = torch::empty({m_total, n}, x.options());
-  const float* a = rows.data_ptr<float>();
-  const float* b = packed.data_ptr<float>();
-  const float* bias_p = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  float* y = out.data_ptr<float>();
-  at::parallel_for(0, packed.size(0), 1, [&](int64_t first, int64_t last) {
+// y (m_total, N) = a (m_total, K) · packed (N/16, K, 16)ᵀ, then each column times scale (if any) plus bias (if any)
+template <typename W>
+void multiply(const float* a, int64_t m_total, int64_t k, const W* packed, int64_t blocks, const float* scale,
+              const float* bias, float* y) {
+  using BlockDot = void (*)(const float*, int64_t, const W*, int64_t, bool, float*, int64_t);
+  static const BlockDot kBlockDot[kMaxRows + 1] = {nullptr, block_dot<1, W>, block_dot<2, W>, block_dot<3, W>,
+                                                   block_dot<4, W>};
+  const int64_t n = blocks * kBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
     for (int64_t blk = first; blk < last; ++blk) {
       const int64_t col = blk * kBlock;
-      const float* block = b + blk * k * kBlock;
+      const W* block = packed + blk * k * kBlock;
       for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
         const int64_t chunk = std::min(kChunk, k - k0);
         for (int64_t m0 = 0; m0 < m_total; m0 += kMaxRows) {
@@ -98,22 +89,92 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& packed,
           kBlockDot[rows_now](a + m0 * k + k0, k, block + k0 * kBlock, chunk, k0 == 0, y + m0 * n + col, n);
         }
       }
-      if (bias_p != nullptr)
+      if (scale == nullptr && bias == nullptr) continue;
+      for (int64_t c = 0; c < kBlock; c += 8) {
+        const __m256 s = scale != nullptr ? _mm256_loadu_ps(scale + col + c) : _mm256_set1_ps(1.0f);
+        const __m256 add = bias != nullptr ? _mm256_loadu_ps(bias + col + c) : _mm256_setzero_ps();
         for (int64_t m = 0; m < m_total; ++m)
-          for (int64_t c = 0; c < kBlock; c += 8)
-            _mm256_storeu_ps(y + m * n + col + c, _mm256_add_ps(_mm256_loadu_ps(y + m * n + col + c),
-                                                               _mm256_loadu_ps(bias_p + col + c)));
+          _mm256_storeu_ps(y + m * n + col + c, _mm256_fmadd_ps(_mm256_loadu_ps(y + m * n + col + c), s, add));
+      }
     }
   });
-  return out.view(shape);
+}
+
+// x's rows (..., K) as one contiguous float (M, K), after checking x against a packed (N/16, K, 16) weight
+torch::Tensor rows_of(const torch::Tensor& x, const torch::Tensor& packed, at::ScalarType weight_type,
+                      const char* op) {
+  TORCH_CHECK(packed.scalar_type() == weight_type && packed.dim() == 3 && packed.size(2) == kBlock &&
+                  packed.is_contiguous(),
+              op, ": packed weight must be contiguous ", weight_type, " (N/16, K, 16), got ", packed.scalar_type(),
+              " ", packed.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) == packed.size(1), op, ": x must be float32 with ",
+              packed.size(1), " features, got ", x.scalar_type(), " ", x.sizes());
+  return x.reshape({-1, x.size(-1)}).contiguous();
+}
+
+torch::Tensor float_bias(const c10::optional<torch::Tensor>& bias, int64_t n, const char* op) {
+  if (!bias.has_value() || !bias->defined()) return torch::Tensor();
+  TORCH_CHECK(bias->numel() == n, op, ": bias of ", n, " elements expected, got ", bias->numel());
+  return bias->to(at::kFloat).contiguous();
+}
+
+float* data_or_null(const torch::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+std::vector<int64_t> out_shape(const torch::Tensor& x, int64_t n) {
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  return shape;
+}
+
+}  // namespace
+
+// (N, K) float (or int8: small_linear_int8's weights) -> (N/16, K, 16): N a multiple of 16
+torch::Tensor pack_weight(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kChar),
+              "pack_weight: a 2-D float32 or int8 weight");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(n % kBlock == 0, "pack_weight: out_features must be a multiple of 16, got ", weight.sizes());
+  return weight.reshape({n / kBlock, kBlock, k}).permute({0, 2, 1}).contiguous();
+}
+
+// x (..., K) float, packed (N/16, K, 16) float, bias (N,) or none -> (..., N) float
+torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                           const c10::optional<torch::Tensor>& bias) {
+  const torch::Tensor rows = rows_of(x, packed, at::kFloat, "small_linear");
+  const int64_t blocks = packed.size(0), n = blocks * kBlock;
+  const torch::Tensor bias_f = float_bias(bias, n, "small_linear");
+  torch::Tensor out = torch::empty({rows.size(0), n}, x.options());
+  multiply(rows.data_ptr<float>(), rows.size(0), rows.size(1), packed.data_ptr<float>(), blocks, nullptr,
+           data_or_null(bias_f), out.data_ptr<float>());
+  return out.view(out_shape(x, n));
+}
+
+// The int8 weights of a self-draft (small_gemm.py's int8_weights) on a float32 model: x (..., K) float, packed
+// (N/16, K, 16) int8 in pack_weight's layout, columns (2, N) float whose first row is each column's scale, bias (N,)
+// or none -> (..., N) float = (x · Qᵀ) * scale (+ bias). Weight-only: x stays float32 (the products are float32 FMAs
+// of the widened weights, so quantising x would save nothing); the draft streams a quarter of the float32 bytes.
+torch::Tensor small_linear_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& columns,
+                                const c10::optional<torch::Tensor>& bias) {
+  const torch::Tensor rows = rows_of(x, packed, at::kChar, "small_linear_int8");
+  const int64_t blocks = packed.size(0), n = blocks * kBlock;
+  TORCH_CHECK(columns.scalar_type() == at::kFloat && columns.dim() == 2 && columns.size(1) == n,
+              "small_linear_int8: columns must be float (2, ", n, "), got ", columns.sizes());
+  const torch::Tensor scale = columns.select(0, 0).contiguous();
+  const torch::Tensor bias_f = float_bias(bias, n, "small_linear_int8");
+  torch::Tensor out = torch::empty({rows.size(0), n}, x.options());
+  multiply(rows.data_ptr<float>(), rows.size(0), rows.size(1), packed.data_ptr<int8_t>(), blocks,
+           scale.data_ptr<float>(), data_or_null(bias_f), out.data_ptr<float>());
+  return out.view(out_shape(x, n));
 }
 
 TORCH_LIBRARY(drafthead_avx2, m) {
   m.def("pack_weight(Tensor weight) -> Tensor");
   m.def("small_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("small_linear_int8(Tensor x, Tensor packed, Tensor columns, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(drafthead_avx2, CPU, m) {
   m.impl("pack_weight", &pack_weight);
   m.impl("small_linear", &small_linear);
+  m.impl("small_linear_int8", &small_linear_int8);
 }

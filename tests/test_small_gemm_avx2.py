@@ -1,6 +1,7 @@
 """The small-row float32 GEMM kernel (inference/small_gemm_avx2.cpp, for CPUs where float32 is the fast dtype):
 exact to float32 rounding, row-independent, used only inside the batch runner's decoding sessions and only up to
-FLOAT_KERNEL_ROWS rows (also through torch.compile), and transparent to the model otherwise."""
+the session's row limit (also through torch.compile), and transparent to the model otherwise; and its int8
+weight-only product for the self-draft's int8 copies."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch.nn.functional as F
 from tiny import tiny_model
 
 from inference.cpu_kernels import avx2_kernels_available
-from inference.small_gemm import FLOAT_KERNEL_ROWS, SmallRowLinear, small_row_kernel, use_small_row_kernel
+from inference.small_gemm import (BATCH_KERNEL_ROWS, SmallRowLinear, int8_linear, int8_weights, quantize_weight_int8,
+                                   small_row_kernel, use_int8_weights, use_small_row_kernel)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -28,7 +30,7 @@ def linear(n_in: int, n_out: int, bias: bool, seed: int = 0) -> nn.Linear:
     return module
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 16, 32])
 @pytest.mark.parametrize("n_in", [40, 600])  # shorter than one 256-k piece; two and a part
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_matches_the_exact_product_to_float32_rounding(rows, n_in, bias):
@@ -38,31 +40,31 @@ def test_kernel_matches_the_exact_product_to_float32_rounding(rows, n_in, bias):
     assert use_small_row_kernel(module, float32=True) == 1 and isinstance(module, SmallRowLinear)
     assert module.packed.shape == (96 // 16, n_in, 16)
     with small_row_kernel(max_rows=64):
-        ours = module(x) if 2 * rows <= FLOAT_KERNEL_ROWS else module(x[:1])
+        ours = module(x)
     assert ours.dtype == torch.float32 and ours.shape[1:] == (rows, 96)
     # a float32 sum of n_in products: within n_in float32 steps of the largest product (as PyTorch's own linear)
     bound = n_in * 2.0 ** -23 * (x.abs().amax() * module.weight.abs().amax()).double() + 1e-6
-    assert ((ours.double() - exact[: ours.shape[0]]).abs() <= bound).all()
+    assert ((ours.double() - exact).abs() <= bound).all()
 
 
 def test_a_rows_result_does_not_depend_on_the_other_rows():
     module = linear(1536, 576, bias=True)
     use_small_row_kernel(module, float32=True)
-    x = torch.randn(FLOAT_KERNEL_ROWS, 1536)
-    with small_row_kernel():
+    x = torch.randn(BATCH_KERNEL_ROWS, 1536)
+    with small_row_kernel(BATCH_KERNEL_ROWS):
         together = module(x)
-        for i in (0, 3, 4, 7, FLOAT_KERNEL_ROWS - 1):
+        for i in (0, 3, 4, 7, BATCH_KERNEL_ROWS - 1):
             assert torch.equal(module(x[i : i + 1]), together[i : i + 1])
         assert not torch.equal(together, F.linear(x, module.weight, module.bias))  # the kernel ran, not MKL
 
 
 def test_kernel_is_used_only_inside_the_session_and_for_few_rows():
     """A zeroed packed copy makes the kernel's path visible: it returns the bias; nn.Linear's path the product.
-    Past FLOAT_KERNEL_ROWS rows PyTorch's GEMM is as fast, so even a session that allows more uses nn.Linear."""
+    Past the session's row limit nn.Linear multiplies."""
     module = linear(64, 96, bias=True)
     use_small_row_kernel(module, float32=True)
     module.packed.zero_()
-    small, large = torch.randn(4, 64), torch.randn(FLOAT_KERNEL_ROWS + 1, 64)
+    small, large = torch.randn(4, 64), torch.randn(65, 64)
     assert torch.equal(module(small), F.linear(small, module.weight, module.bias))  # outside: nn.Linear exactly
     with small_row_kernel(max_rows=64):
         assert torch.equal(module(small), module.bias.expand(4, 96))
@@ -116,4 +118,55 @@ def test_float32_siblings_sharing_an_input_become_one_call_with_bit_identical_re
     x = torch.randn(3, 64)
     after = fused_calls(KernelCalls(projections, "drafthead_avx2"), torch.ops.drafthead_avx2.small_linear.default, x)
     with small_row_kernel():  # and the modules' own path agrees with both
+        assert torch.equal(projections.k(x) * 2, after[1])
+
+
+# ---------------------------------------------------------------------------------------------- int8 drafting
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_kernel_multiplies_float32_rows_by_the_dequantised_weights(rows, bias):
+    """A float32 model's int8 copy (use_int8_weights) is packed for the AVX2 kernel, which multiplies the float32
+    rows (not quantised) by the int8 weights times each column's scale: to float32 rounding of that product,
+    row-independent, and within int8 quantisation error of the float32 product."""
+    module = linear(608, 96, bias)  # in_features a multiple of 16: two 256-k pieces and a part
+    assert use_int8_weights(module) == 1 and module.int8_weight.shape == (96 // 16, 608, 16)
+    plain, columns = quantize_weight_int8(module.weight)
+    torch.testing.assert_close(module.int8_columns, columns, rtol=0, atol=0)
+    x = torch.randn(rows, 608)
+    ours = int8_linear(x, module.int8_weight, module.int8_columns, module.bias)
+    dequantised = plain.double() * columns[0].double()[:, None]
+    exact = x.double() @ dequantised.T + (module.bias.double() if bias else 0)
+    assert ours.dtype == torch.float32 and ours.shape == (rows, 96)
+    bound = 608 * 2.0 ** -22 * (x.abs().amax() * dequantised.abs().amax()) + 1e-6
+    assert ((ours.double() - exact).abs() <= bound).all()
+    assert torch.equal(int8_linear(x[-1:], module.int8_weight, module.int8_columns, module.bias), ours[-1:])
+    full = F.linear(x, module.weight, module.bias)
+    error = (ours - full).abs().max() / full.abs().max()
+    assert 0 < error < 0.03  # quantised: close, not equal
+
+
+def test_float32_int8_copies_are_used_only_inside_int8_weights_and_fuse_bit_identically():
+    """The int8 copy answers only inside int8_weights() (a zeroed copy makes it visible: the output is the bias),
+    also through a compiled step; siblings' int8 copies lie back to back and their calls fuse with the same bits."""
+    from test_small_gemm import Int8KernelCalls, Projections, fused_calls
+
+    module = linear(64, 96, bias=True)
+    use_int8_weights(module)
+    module.int8_weight.zero_()
+    x = torch.randn(4, 64)
+    assert torch.equal(module(x), F.linear(x, module.weight, module.bias))
+    step = torch.compile(lambda x: module(x) * 1, dynamic=False)
+    with torch.inference_mode():
+        with int8_weights():
+            assert torch.equal(module(x), module.bias.expand(4, 96))
+            assert torch.equal(step(x), module.bias.expand(4, 96))
+        assert torch.equal(step(x), F.linear(x, module.weight, module.bias))
+
+    projections = Projections(torch.float32)
+    assert use_int8_weights(projections) == 4
+    weights = [getattr(projections, name).int8_weight for name in "qkvo"]
+    assert len({w.untyped_storage().data_ptr() for w in weights}) == 1  # one buffer, no copy
+    calls = Int8KernelCalls(projections, "drafthead_avx2")
+    after = fused_calls(calls, torch.ops.drafthead_avx2.small_linear_int8.default, x)
+    with int8_weights():  # and the modules' own path agrees with both
         assert torch.equal(projections.k(x) * 2, after[1])
