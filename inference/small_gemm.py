@@ -184,10 +184,10 @@ def _sibling_groups(model: nn.Module, linears: list[nn.Linear]) -> list[list[nn.
 def use_int8_weights(model: nn.Module) -> int:
     """Give every linear of `model` whose shape allows it (out_features a multiple of 32, in_features of 16) an
     int8 copy of its weight, used only inside int8_weights(): packed for the kernel where one runs (bf16 on a CPU
-    with AVX512-BF16; float32 on a CPU with AVX2, weight-only), plain int8 elsewhere. Parameters and state dict unchanged. Siblings with the same input
-    width lie back to back in one buffer (as use_small_row_kernel packs them), so that FuseSiblingLinears can
-    multiply the ones sharing an input in one call. Returns how many linears have one (a second call adds
-    nothing)."""
+    with AVX512-BF16; float32 on a CPU with AVX2, weight-only), plain int8 elsewhere. Parameters and state dict
+    unchanged. Siblings with the same input width lie back to back in one buffer (as use_small_row_kernel packs
+    them), so that FuseSiblingLinears can multiply the ones sharing an input in one call. Returns how many linears
+    have one (a second call adds nothing)."""
     linears = [m for m in model.modules()
                if isinstance(m, nn.Linear) and not m.out_features % BLOCK and not m.in_features % 16]
     for group in _sibling_groups(model, [m for m in linears if getattr(m, "int8_weight", None) is None]):

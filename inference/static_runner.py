@@ -161,8 +161,9 @@ def check_tree_fits(drafter, runner) -> None:
     runner's largest verify bucket; a runner without buckets (eager) takes any size."""
     buckets = getattr(runner, "buckets", None)
     largest = max(drafter.tree_sizes())
+    name = getattr(drafter, "name", type(drafter).__name__)
     if buckets and largest > buckets[-1]:
-        raise ValueError(f"the {getattr(drafter, 'name', type(drafter).__name__)} drafter's trees reach {largest} tokens (root included) but the "
+        raise ValueError(f"the {name} drafter's trees reach {largest} tokens (root included) but the "
                          f"runner's largest verify bucket is {buckets[-1]}: draft a smaller tree (or fewer "
                          f"lookup_tokens) or use a runner with a larger bucket")
 
