@@ -44,8 +44,9 @@ BATCH_KERNEL_ROWS = 64
 # its row loops were unrolled, GCC kept the accumulators in memory and MKL won from 32 rows, so 16 was the limit).
 # Only the batch runner converts float32 linears (use_small_row_kernel(float32=True)): its compiled steps of 8 rows ×
 # 1k keys cost 142 ms with the kernel against 251 without (2 tokens a row: 204 / 285); the single-sequence engine's
-# compiled steps (1 row, inductor's frozen MKL GEMMs) were 7 % slower with it (10 MT-bench prompts, plain 24.7 ->
-# 22.9 tokens/s; measured before the unrolling)
+# compiled steps (1 row, inductor's frozen MKL GEMMs) were 7 % slower with it before the unrolling (10 MT-bench
+# prompts, plain 24.7 -> 22.9 tokens/s) and still are after it for plain decoding (31.8 -> 27.3, one process, taking
+# turns; a 2/3/3 tree 33.8 -> 34.7: results/small_gemm_avx2_unrolled_zen3.json)
 
 # the row limit inside small_row_kernel() (0: outside); a module global, so a compiled step guards on it (a module
 # attribute would not be guarded: the compiled steps skip guards on nn.Module state)

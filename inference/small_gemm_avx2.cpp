@@ -10,7 +10,7 @@
 // is in the batch.
 //
 // Layout of `packed`: (N/16, K, 16) float; element [b, k, c] = W[16 b + c, k]. small_linear_int8 takes int8
-// weights in the same layout (a self-draft's int8 copy, one scale per output column) and widens them in L1.
+// weights in the same layout (a self-draft's int8 copy, one scale per output column), widened in registers.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
