@@ -303,3 +303,30 @@ def test_int8_self_draft_in_bf16_verifies_to_the_same_tokens():
         outs[weights] = gen.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=[])
     assert torch.equal(outs["same"].sequences, outs["int8"].sequences)
     assert outs["int8"].stats.mean_accepted > 1.2  # the int8 draft is accepted often
+
+
+def test_the_batched_head_drafter_multiplies_its_linears_with_the_kernel():
+    """BatchHeadDrafter turns a bf16 head's linears into SmallRowLinear (as the single-sequence HeadRunner does),
+    and its drafting inside the batch runner's session runs the kernel: only the head runs in propose()."""
+    from test_inference_greedy import TREES, random_head
+    from torch.profiler import ProfilerActivity, profile
+
+    from inference.batch_head import BatchHeadDrafter
+    from inference.batch_runner import BatchRunner
+    from inference.sampling import SamplingParams
+
+    target = tiny_model("llama", dtype=torch.bfloat16, head_dim=32)
+    head = random_head(target).attach_target(target).to(torch.bfloat16)
+    assert not isinstance(head.fc, SmallRowLinear)
+    drafter = BatchHeadDrafter(head, TREES["wide"], sink=4, window=16)
+    assert isinstance(head.fc, SmallRowLinear) and isinstance(head.midlayer.mlp.down_proj, SmallRowLinear)
+    runner = BatchRunner(target, drafter.feature_layers)
+    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    runner.reset(2, 24 + 16)
+    with runner.session(), torch.inference_mode():
+        logits, features = runner.prefill(ids, torch.ones_like(ids))
+        drafter.begin(runner, ids, torch.ones_like(ids), features)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            tree = drafter.propose(logits.argmax(dim=-1), SamplingParams())
+    assert any("small_linear" in event.key for event in prof.key_averages())
+    assert tree.tokens.shape == (2, TREES["wide"].tree_size)
