@@ -256,7 +256,8 @@ def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
 
 
 def plot_grid(result: dict, path: Path) -> None:
-    """Speedup over plain batched decoding vs batch size: one panel per method, one line per context."""
+    """Speedup over plain batched decoding vs batch size: one panel per method, one line per context (solid: the
+    whole decode; dotted, where the JSON has it: the steps with every row busy)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -268,15 +269,20 @@ def plot_grid(result: dict, path: Path) -> None:
     for ax, name in zip(axes[0], names):
         for context in contexts:
             cells = sorted((c for c in result["cells"] if c["context"] == context), key=lambda c: c["batch"])
-            ax.plot([c["batch"] for c in cells], [c["methods"][name]["speedup"] for c in cells], marker="o",
-                    label=f"{context // 1024}k context")
+            batches = [c["batch"] for c in cells]
+            line, = ax.plot(batches, [c["methods"][name]["speedup"] for c in cells], marker="o",
+                            label=f"{context // 1024}k context")
+            busy = [c["methods"][name].get("busy_speedup") for c in cells]
+            if None not in busy:
+                ax.plot(batches, busy, ls=":", marker=".", color=line.get_color())
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.set_xscale("log", base=2)
         ax.set_title(name)
         ax.set_xlabel("batch size")
     axes[0][0].set_ylabel("speedup over plain batched decoding")
     axes[0][-1].legend()
-    fig.suptitle(f"{Path(result['target']).name}, {result['dtype']}, {result['max_new_tokens']} new tokens")
+    fig.suptitle(f"{Path(result['target']).name}, {result['dtype']}, {result['max_new_tokens']} new tokens "
+                 "(dotted: while every row of the batch is busy)")
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)
