@@ -437,3 +437,22 @@ def test_switch_speculates_only_where_it_pays():
     s.record(False, [2, 3], 0.03, [1, 1])
     assert not s.speculate([2, 3])  # rows 2 and 3 accept nothing: 2 tokens in 0.1 s against 2 in 0.03 s
     assert s.speculate([0, 1])  # rows 0 and 1: 8 tokens in 0.1 s against 2 in 0.03 s
+
+
+def test_grid_plot_is_written_with_and_without_the_busy_rates(tmp_path):
+    """plot_grid draws one panel per method from the grid's JSON; cells with busy_speedup get its dotted line,
+    and a JSON from before that field still plots."""
+    from inference.batch_bench import plot_grid
+
+    def cell(batch, speedup, busy):
+        self_figures = {"speedup": speedup, **({"busy_speedup": busy} if busy else {})}
+        return {"context": 2048, "batch": batch, "methods": {"plain": {"speedup": 1.0}, "self": self_figures}}
+
+    for busy in (True, False):
+        result = {"target": "tiny", "dtype": "torch.float32", "max_new_tokens": 4,
+                  "methods": {"plain": "", "self": ""},
+                  "cells": [cell(1, 1.1, 1.1 if busy else None), cell(4, 1.2, 1.5 if busy else None)]}
+        path = tmp_path / f"grid_{busy}.png"
+        plot_grid(result, path)
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert not path.with_suffix(".tmp.png").exists()
