@@ -10,8 +10,8 @@ A row that stops takes the next waiting request, if any: its prefilled KV is cop
 and the drafter starts that row afresh (drafter.admit), so the batch stays full while requests wait and no row
 waits for the slowest one. Without waiting requests, a row that stops leaves the batch at once: the rows still
 decoding stay the leading rows of the runner's buffers (a row from the back fills the place of a row that
-stopped, the only KV copied), and the runner's attention skips the rows after them, so a stopped row stops
-costing the bulk of a long-context step.
+stopped, the only KV copied), and the runner's attention and GEMMs skip the rows after them, so a stopped row
+stops costing the bulk of a long-context step.
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ Layout of one row in the (B, kv_heads, capacity, head_dim) buffers (transformers
   fragment, and nothing needs re-packing while rows are alive.
 - The buffers keep their batch size while a batch decodes: the rows in use are always the leading rows (a
   contiguous slice), keep_rows() moves the rows still decoding forward (only the rows that move are copied), and
-  verify() pads its inputs to the buffers' size, passing the attention kernel the number of rows in use, so rows
-  that stop stop costing attention (the bulk of a long-context step) and a compiled verify keeps one graph per
-  (batch, tree size). admit() puts a waiting request's prefilled KV into a finished row instead (continuous
-  batching).
+  verify() pads its inputs to the buffers' size, passing the attention kernel and the small-row GEMM
+  (small_gemm.live_entries) the number of rows in use, so rows that stop stop costing attention (the bulk of a
+  long-context step) and GEMM work, and a compiled verify keeps one graph per (batch, tree size). admit() puts a
+  waiting request's prefilled KV into a finished row instead (continuous batching).
 
 Prompts are prefilled in chunks under SDPA over the used prefix of the buffers (fused and memory-efficient for
 long query blocks); the short verify steps use the same attention kernel as the single-sequence fast runner
@@ -44,7 +44,7 @@ from drafthead.masks import to_additive
 
 from .attention import PREFILL_NAME, attention_implementation, kv_length_kwargs
 from .slots import copy_rows
-from .small_gemm import BATCH_KERNEL_ROWS
+from .small_gemm import BATCH_KERNEL_ROWS, live_entries
 from .static_runner import (attach_target, buffer_capacity, compile_step, decoding_session, forward_with_features,
                             release_step, set_write_slot, static_cache)
 
@@ -268,7 +268,8 @@ class BatchRunner:
             self._step = (compile_step(self._step_forward, self.device, name="batch_verify", unguarded=("self.cache",))
                           if self.compiled else self._step_forward)
         t0 = time.perf_counter()
-        logits, features, greedy = self._step(tokens, positions, mask, torch.tensor(b))
+        with live_entries(b):  # rows that stopped cost neither attention nor GEMM work
+            logits, features, greedy = self._step(tokens, positions, mask, torch.tensor(b))
         if n not in self._traced:
             self._traced.add(n)
             self.compile_s[(self.rows, self.capacity, n)] = time.perf_counter() - t0

@@ -11,6 +11,7 @@ nothing changes.
 from __future__ import annotations
 
 import functools
+import hashlib
 import sys
 from pathlib import Path
 
@@ -29,11 +30,14 @@ def _build(name: str, sources: tuple[str, ...], flags: list[str], what: str) -> 
     from torch.utils.cpp_extension import load
 
     paths = [str(Path(__file__).with_name(source)) for source in sources]
+    # torch rebuilds an extension when its sources or flags change, not its headers: their digest is a flag
+    headers = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(Path(__file__).parent.glob("*.h"))))
     try:
         # -fopenmp: at::parallel_for is a header template that runs serially unless the extension itself is built
         # with OpenMP
-        load(name=name, sources=paths, extra_cflags=["-O3", *flags, "-fopenmp"], extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)
+        cflags = ["-O3", *flags, "-fopenmp", f"-DHEADERS={headers.hexdigest()[:16]}"]
+        load(name=name, sources=paths, extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False,
+             verbose=False)
     except Exception as error:  # no compiler, or one without these instructions: PyTorch's own ops stay in use
         reason = str(error).strip().splitlines()[-1][:200]
         print(f"[drafthead] {what} kernels not used (building {', '.join(sources)} failed: {reason})",
@@ -52,11 +56,11 @@ def kernels_available() -> bool:
         return False
 
     @torch.library.register_fake("drafthead_kernels::small_linear")
-    def _(x, packed, bias):
+    def _(x, packed, bias, live=None):
         return x.new_empty(*x.shape[:-1], packed.shape[0] * BLOCK)
 
     @torch.library.register_fake("drafthead_kernels::small_linear_int8")
-    def _(x, packed, columns, bias):
+    def _(x, packed, columns, bias, live=None):
         return x.new_empty(*x.shape[:-1], packed.shape[0] * BLOCK)
 
     @torch.library.register_fake("drafthead_kernels::prefix_attention")
@@ -77,11 +81,11 @@ def avx2_kernels_available() -> bool:
         return False
 
     @torch.library.register_fake("drafthead_avx2::small_linear")
-    def _(x, packed, bias):
+    def _(x, packed, bias, live=None):
         return x.new_empty(*x.shape[:-1], packed.shape[0] * FLOAT_BLOCK)
 
     @torch.library.register_fake("drafthead_avx2::small_linear_int8")
-    def _(x, packed, columns, bias):
+    def _(x, packed, columns, bias, live=None):
         return x.new_empty(*x.shape[:-1], packed.shape[0] * FLOAT_BLOCK)
 
     @torch.library.register_fake("drafthead_avx2::prefix_attention")

@@ -13,8 +13,9 @@ positions it keeps; only its drafted tokens (written in scratch slots after the 
 
 The draft step's shape never changes while a batch decodes: when rows finish, the draft buffers keep their batch
 size (the rows still alive first, the last of them repeated after), so with `compile` (the step is one
-torch.compile graph) no row leaving costs a recompile; a draft step over a constant-size KV costs about the same
-for 4 rows as for 8 (it reads the weights once either way).
+torch.compile graph) no row leaving costs a recompile; the padding rows are left out of the attention and of the
+bf16 GEMMs (small_gemm.live_entries), though a draft step over a constant-size KV costs about the same for 4 rows
+as for 8 anyway (it reads the weights once either way).
 
 `weights="int8"`: the draft multiplies with an int8 copy of the target's linear weights (small_gemm.py's
 int8_weights; each input row quantised to int8 too): a draft step streams half the bytes of the weights, which is
@@ -40,7 +41,7 @@ from .attention import kv_length_kwargs
 from .batch_tree import BatchTree
 from .sampling import SamplingParams, target_probs
 from .slots import SlotMap
-from .small_gemm import int8_weights, use_int8_weights
+from .small_gemm import int8_weights, live_entries, use_int8_weights
 from .static_runner import compile_step, set_write_slot, static_cache
 
 
@@ -142,12 +143,12 @@ class StreamingSelfDrafter:
         self.slot_pos[:, self.dummy] = -1
 
     def _draft_step(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
-                    kv_length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft token per row (B, 1) over the draft buffers, at the slot the cache's length points to.
-        Returns (last logits (B, V), or (B, K) over a draft vocabulary of K ids; the greedy target ids (B, 1)).
-        The compiled graph when compile is on."""
+                    kv_length: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft token per row (B, 1) over the draft buffers, at the slot the cache's length points to, attention
+        computed for the leading `rows` rows only (0-dim tensor). Returns (last logits (B, V), or (B, K) over a draft
+        vocabulary of K ids; the greedy target ids (B, 1)). The compiled graph when compile is on."""
         inputs = dict(input_ids=tokens, position_ids=position_ids, attention_mask=mask, past_key_values=self.cache,
-                      use_cache=True, **kv_length_kwargs(self.model, kv_length))
+                      use_cache=True, **kv_length_kwargs(self.model, kv_length, rows))
         if self.vocab is None:
             logits = self.model(**inputs, logits_to_keep=1).logits[:, -1]
             return logits, logits.argmax(dim=-1, keepdim=True)
@@ -167,13 +168,14 @@ class StreamingSelfDrafter:
         # per depth (each draft token sees the chain so far, itself included)
         mask = to_additive((self.slot_pos >= 0)[:, None, None, :], self.cache.layers[0].keys.dtype)
         tokens, drafted, qs = roots[pad].view(full, 1), [], []
+        alive = torch.tensor(b)  # the padding rows cost no attention nor bf16 GEMM work (their tokens are junk)
         for d in range(self.gamma):
             mask[..., self.scratch + d] = 0
             set_write_slot(self.cache, self.scratch + d)
             first = full not in self.compile_s
             start = time.perf_counter()
-            with int8_weights(self.int8):
-                logits, greedy = self._step(tokens, positions + d, mask, self.kv_length)
+            with int8_weights(self.int8), live_entries(b):
+                logits, greedy = self._step(tokens, positions + d, mask, self.kv_length, alive)
             if first:
                 self.compile_s[full] = time.perf_counter() - start
             if params.do_sample:

@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "live_rows.h"
+
 namespace {
 
 constexpr int64_t kBlock = 32;   // output columns per block (two vectors of 16 floats)
@@ -114,14 +116,16 @@ torch::Tensor pack_weight(const torch::Tensor& weight) {
   return weight.reshape({n / kBlock, kBlock, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-// x (..., K) bf16, packed (N/32, K/2, 32, 2), bias (N,) or none -> (..., N) bf16
-torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+// x (..., K) bf16, packed (N/32, K/2, 32, 2), bias (N,) or none -> (..., N) bf16; with `live`, only the rows of x's
+// first `live` entries are multiplied, the others are zeros (live_rows.h)
+torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                           const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& live) {
   check_packed(packed);
   const int64_t k = x.size(-1), n = packed.size(0) * kBlock, pairs = packed.size(1);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && k == 2 * pairs, "small_linear: x must be bf16 with ", 2 * pairs,
               " features, got ", x.scalar_type(), " ", x.sizes());
   const torch::Tensor rows = x.reshape({-1, k}).contiguous();
-  const int64_t m_total = rows.size(0);
+  const int64_t m_all = rows.size(0), m_total = live_rows(x, m_all, live);
   torch::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n, "small_linear: bias of ", n, " elements expected, got ", bias->numel());
@@ -129,7 +133,8 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& packed, 
   }
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = n;
-  torch::Tensor out = torch::empty({m_total, n}, x.options());
+  torch::Tensor out = torch::empty({m_all, n}, x.options());
+  out.narrow(0, m_total, m_all - m_total).zero_();
   const uint16_t* a = reinterpret_cast<const uint16_t*>(rows.data_ptr());
   const uint16_t* b = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const float* bias_p = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
@@ -150,9 +155,10 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& packed, 
   return out.view(shape);
 }
 
-// x (..., K) bf16, packed8 and columns (small_gemm.py's quantize_weight_int8 + pack_int8), bias (N,) or none -> (..., N) bf16
+// x (..., K) bf16, packed8 and columns (small_gemm.py's quantize_weight_int8 + pack_int8), bias (N,) or none ->
+// (..., N) bf16; `live` as small_linear's
 torch::Tensor small_linear_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& columns,
-                                const c10::optional<torch::Tensor>& bias) {
+                                const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& live) {
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == kBlock &&
                   packed.size(3) == 4 && packed.is_contiguous(),
               "small_linear_int8: packed weight must be contiguous int8 (N/32, K/4, 32, 4), got ", packed.sizes());
@@ -163,7 +169,7 @@ torch::Tensor small_linear_int8(const torch::Tensor& x, const torch::Tensor& pac
                   columns.size(1) == n && columns.stride(1) == 1,
               "small_linear_int8: columns must be float (2, ", n, ") with contiguous rows");
   const torch::Tensor rows = x.reshape({-1, k}).contiguous();
-  const int64_t m_total = rows.size(0);
+  const int64_t m_all = rows.size(0), m_total = live_rows(x, m_all, live);
   torch::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n, "small_linear_int8: bias of ", n, " elements expected, got ", bias->numel());
@@ -192,7 +198,8 @@ torch::Tensor small_linear_int8(const torch::Tensor& x, const torch::Tensor& pac
   }
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = n;
-  torch::Tensor out = torch::empty({m_total, n}, x.options());
+  torch::Tensor out = torch::empty({m_all, n}, x.options());
+  out.narrow(0, m_total, m_all - m_total).zero_();
   const uint8_t* a = xq.data();
   const float* sa = row_scale.data();
   const int8_t* b = packed.data_ptr<int8_t>();
@@ -224,8 +231,8 @@ torch::Tensor small_linear_int8(const torch::Tensor& x, const torch::Tensor& pac
 
 TORCH_LIBRARY(drafthead_kernels, m) {
   m.def("pack_weight(Tensor weight) -> Tensor");
-  m.def("small_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
-  m.def("small_linear_int8(Tensor x, Tensor packed, Tensor columns, Tensor? bias) -> Tensor");
+  m.def("small_linear(Tensor x, Tensor packed, Tensor? bias, Tensor? live=None) -> Tensor");
+  m.def("small_linear_int8(Tensor x, Tensor packed, Tensor columns, Tensor? bias, Tensor? live=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(drafthead_kernels, CPU, m) {

@@ -53,6 +53,10 @@ BATCH_KERNEL_ROWS = 64
 _row_limit = 0
 # inside int8_weights(): linears that hold an int8 copy (use_int8_weights) multiply with it; a module global too
 _int8_active = False
+# inside live_entries(b): the kernel multiplies only the rows of an input's first b entries along dim 0 (a batch's
+# rows still decoding, the leading ones), giving zeros for the others. One tensor, filled in place: every call of
+# the kernel passes it, so a compiled step reads its value at each call (no new graph per value)
+_live = torch.tensor(2**62)
 
 
 def eligible(module: nn.Module, float32: bool = False) -> bool:
@@ -85,6 +89,19 @@ def small_row_kernel(max_rows: int = KERNEL_ROWS):
         _row_limit = previous
 
 
+@contextlib.contextmanager
+def live_entries(entries: int):
+    """Inside this context the kernels of SmallRowLinear (and of the int8 copies) multiply only the first `entries`
+    entries of their input's first dimension (a batch step whose later rows have stopped: they cost no GEMM work)
+    and return zeros for the rest."""
+    previous = int(_live)
+    _live.fill_(entries)
+    try:
+        yield
+    finally:
+        _live.fill_(previous)
+
+
 class SmallRowLinear(nn.Linear):
     """nn.Linear that multiplies small inputs with the packed bf16 kernel inside small_row_kernel() (and with its
     int8 copy inside int8_weights(), when use_int8_weights gave it one)."""
@@ -98,8 +115,8 @@ class SmallRowLinear(nn.Linear):
             return int8_linear(x, self.int8_weight, self.int8_columns, self.bias)
         if _row_limit and x.dtype == self.packed.dtype and x.numel() <= _row_limit * x.shape[-1]:
             if x.dtype == torch.bfloat16:
-                return torch.ops.drafthead_kernels.small_linear(x, self.packed, self.bias)
-            return torch.ops.drafthead_avx2.small_linear(x, self.packed, self.bias)
+                return torch.ops.drafthead_kernels.small_linear(x, self.packed, self.bias, _live)
+            return torch.ops.drafthead_avx2.small_linear(x, self.packed, self.bias, _live)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -157,11 +174,11 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, columns: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """x · Wᵀ (+ bias) from an int8 weight (quantize_weight_int8; packed by pack_int8 for the kernel),
     with each row of x quantised to int8 (scale max|x|/127); packed (N/16, K, 16) for the AVX2 kernel, x is not
-    quantised. Returns x's dtype."""
+    quantised. Returns x's dtype; the kernels multiply only the live entries (live_entries)."""
     if weight.dim() == 4:  # packed for the AVX512-VNNI kernel (a bf16 model's: x is bf16 too)
-        return torch.ops.drafthead_kernels.small_linear_int8(x, weight, columns, bias)
+        return torch.ops.drafthead_kernels.small_linear_int8(x, weight, columns, bias, _live)
     if weight.dim() == 3:  # packed for the AVX2 kernel (a float32 model's): weight-only, x is not quantised
-        return torch.ops.drafthead_avx2.small_linear_int8(x, weight, columns, bias)
+        return torch.ops.drafthead_avx2.small_linear_int8(x, weight, columns, bias, _live)
     xf = x.float()
     row_scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127
     xq = (xf / row_scale).round().clamp(-127, 127)
@@ -282,13 +299,16 @@ class FuseSiblingLinears(CustomGraphPass):
         by_input: dict[tuple, list[torch.fx.Node]] = {}
         for node in graph.nodes:
             operands = ops[node.target][0] if node.op == "call_function" and node.target in ops else None
+            rest = node.args[1 + operands:] if operands else ()  # (bias, then small_linear's live entries)
             if (operands and not node.kwargs and len(node.args) >= 1 + operands
                     and all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in node.args[1: 1 + operands])
-                    and all(a is None for a in node.args[1 + operands:])):
-                by_input.setdefault((node.target, node.args[0]), []).append(node)
+                    and (not rest or rest[0] is None)):
+                extra = tuple(id(_attribute(module, a.target)) if isinstance(a, torch.fx.Node) and a.op == "get_attr"
+                              else a for a in rest[1:])  # (one tensor read through several get_attr nodes: alike)
+                by_input.setdefault((node.target, node.args[0], extra), []).append(node)
         order = {n: i for i, n in enumerate(graph.nodes)}  # nodes inserted later are never compared
         fused = 0
-        for (op, _), calls in by_input.items():
+        for (op, _, _), calls in by_input.items():
             if len(calls) < 2:
                 continue
             tensors = {n: [_attribute(module, a.target) for a in n.args[1: 1 + ops[op][0]]] for n in calls}
@@ -324,7 +344,8 @@ class FuseSiblingLinears(CustomGraphPass):
         val = x.meta.get("val")
         with graph.inserting_before(earliest):
             attrs = [graph.get_attr(f"{name}_{i}") for i in range(len(spans))]
-            out = graph.call_function(op, (x, *attrs, None))
+            extra = calls[0].args[2 + len(operands[0]):]  # (small_linear's live entries, after the bias)
+            out = graph.call_function(op, (x, *attrs, None, *extra))
             if val is not None:
                 with val.fake_mode:
                     out.meta["val"] = val.new_empty(*val.shape[:-1], blocks * block)

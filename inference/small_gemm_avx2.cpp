@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "live_rows.h"
+
 namespace {
 
 constexpr int64_t kBlock = 16;   // output columns per block (two vectors of 8 floats)
@@ -137,40 +139,46 @@ torch::Tensor pack_weight(const torch::Tensor& weight) {
   return weight.reshape({n / kBlock, kBlock, k}).permute({0, 2, 1}).contiguous();
 }
 
-// x (..., K) float, packed (N/16, K, 16) float, bias (N,) or none -> (..., N) float
+// x (..., K) float, packed (N/16, K, 16) float, bias (N,) or none -> (..., N) float; with `live`, only the rows of
+// x's first `live` entries are multiplied, the others are zeros (live_rows.h)
 torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                           const c10::optional<torch::Tensor>& bias) {
+                           const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& live) {
   const torch::Tensor rows = rows_of(x, packed, at::kFloat, "small_linear");
   const int64_t blocks = packed.size(0), n = blocks * kBlock;
+  const int64_t m_live = live_rows(x, rows.size(0), live);
   const torch::Tensor bias_f = float_bias(bias, n, "small_linear");
   torch::Tensor out = torch::empty({rows.size(0), n}, x.options());
-  multiply(rows.data_ptr<float>(), rows.size(0), rows.size(1), packed.data_ptr<float>(), blocks, nullptr,
+  out.narrow(0, m_live, rows.size(0) - m_live).zero_();
+  multiply(rows.data_ptr<float>(), m_live, rows.size(1), packed.data_ptr<float>(), blocks, nullptr,
            data_or_null(bias_f), out.data_ptr<float>());
   return out.view(out_shape(x, n));
 }
 
 // The int8 weights of a self-draft (small_gemm.py's int8_weights) on a float32 model: x (..., K) float, packed
 // (N/16, K, 16) int8 in pack_weight's layout, columns (2, N) float whose first row is each column's scale, bias (N,)
-// or none -> (..., N) float = (x · Qᵀ) * scale (+ bias). Weight-only: x stays float32 (the products are float32 FMAs
-// of the widened weights, so quantising x would save nothing); the draft streams a quarter of the float32 bytes.
+// or none -> (..., N) float = (x · Qᵀ) * scale (+ bias); `live` as small_linear's. Weight-only: x stays float32
+// (the products are float32 FMAs of the widened weights, so quantising x would save nothing); the draft streams a
+// quarter of the float32 bytes.
 torch::Tensor small_linear_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& columns,
-                                const c10::optional<torch::Tensor>& bias) {
+                                const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& live) {
   const torch::Tensor rows = rows_of(x, packed, at::kChar, "small_linear_int8");
   const int64_t blocks = packed.size(0), n = blocks * kBlock;
+  const int64_t m_live = live_rows(x, rows.size(0), live);
   TORCH_CHECK(columns.scalar_type() == at::kFloat && columns.dim() == 2 && columns.size(1) == n,
               "small_linear_int8: columns must be float (2, ", n, "), got ", columns.sizes());
   const torch::Tensor scale = columns.select(0, 0).contiguous();
   const torch::Tensor bias_f = float_bias(bias, n, "small_linear_int8");
   torch::Tensor out = torch::empty({rows.size(0), n}, x.options());
-  multiply(rows.data_ptr<float>(), rows.size(0), rows.size(1), packed.data_ptr<int8_t>(), blocks,
+  out.narrow(0, m_live, rows.size(0) - m_live).zero_();
+  multiply(rows.data_ptr<float>(), m_live, rows.size(1), packed.data_ptr<int8_t>(), blocks,
            scale.data_ptr<float>(), data_or_null(bias_f), out.data_ptr<float>());
   return out.view(out_shape(x, n));
 }
 
 TORCH_LIBRARY(drafthead_avx2, m) {
   m.def("pack_weight(Tensor weight) -> Tensor");
-  m.def("small_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
-  m.def("small_linear_int8(Tensor x, Tensor packed, Tensor columns, Tensor? bias) -> Tensor");
+  m.def("small_linear(Tensor x, Tensor packed, Tensor? bias, Tensor? live=None) -> Tensor");
+  m.def("small_linear_int8(Tensor x, Tensor packed, Tensor columns, Tensor? bias, Tensor? live=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(drafthead_avx2, CPU, m) {

@@ -54,6 +54,32 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
             assert torch.equal(module(x[i : i + 1]), together[i : i + 1])
 
 
+def test_only_the_live_entries_rows_are_multiplied_also_compiled():
+    """Inside live_entries(b) the kernel (bf16 weights and int8 copies) multiplies the rows of the input's first b
+    entries (a batch's rows still decoding) and gives zeros for the rest; a compiled step reads the value at each
+    call, without recompiling."""
+    from inference.small_gemm import int8_weights, live_entries, use_int8_weights
+
+    module = linear(576, 192, bias=True)
+    use_small_row_kernel(module)
+    use_int8_weights(module)
+    x = torch.randn(4, 3, 576).to(torch.bfloat16)
+    counts = torch._dynamo.utils.counters["stats"]
+    for int8 in (False, True):
+        compiled = torch.compile(module)
+        with small_row_kernel(), int8_weights(int8), torch.inference_mode():
+            full = module(x)
+            for step in (module, compiled):
+                calls = counts["unique_graphs"]
+                for b in (4, 2, 1, 0):
+                    with live_entries(b):
+                        out = step(x)
+                    assert torch.equal(out[:b], full[:b]) and not out[b:].any(), (int8, step, b)
+                assert torch.equal(step(x), full)  # all entries again outside the context
+                if step is compiled:
+                    assert counts["unique_graphs"] == calls + 1  # one graph for every value
+
+
 def test_kernel_is_used_only_inside_the_session_and_for_small_inputs():
     """A zeroed packed copy makes the kernel's path visible: it returns the bias; nn.Linear's path the product."""
     module = linear(64, 96, bias=True)
@@ -165,6 +191,17 @@ class KernelCalls(nn.Module):
                 op(x + 1, self.p.o.packed, None))
 
 
+class LiveKernelCalls(KernelCalls):
+    """The same, each call also passed the live entries' tensor (as SmallRowLinear passes it)."""
+
+    def forward(self, x):
+        from inference import small_gemm
+
+        op, live = getattr(torch.ops, self.library).small_linear.default, small_gemm._live
+        return (op(x, self.p.q.packed, None, live), op(x, self.p.k.packed, None, live) * 2,
+                op(x, self.p.v.packed, None, live), op(x + 1, self.p.o.packed, None, live))
+
+
 class Int8KernelCalls(KernelCalls):
     """The same with the int8 copies (use_int8_weights): weight and columns read with get_attr."""
 
@@ -187,6 +224,12 @@ def test_siblings_sharing_an_input_become_one_call_with_bit_identical_results():
     after = fused_calls(KernelCalls(projections), torch.ops.drafthead_kernels.small_linear.default, x)
     with small_row_kernel():  # and the modules' own path agrees with both
         assert torch.equal(projections.k(x) * 2, after[1])
+    # the calls SmallRowLinear makes (with the live entries' tensor) fuse alike, keeping it
+    from inference.small_gemm import live_entries
+
+    with live_entries(2):
+        live = fused_calls(LiveKernelCalls(projections), torch.ops.drafthead_kernels.small_linear.default, x)
+    assert all(torch.equal(a[:2], b[:2]) and not a[2:].any() for a, b in zip(live[:3], after[:3]))
 
 
 def fused_calls(calls_module: nn.Module, op, x: torch.Tensor) -> tuple:

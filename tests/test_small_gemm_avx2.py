@@ -170,3 +170,42 @@ def test_float32_int8_copies_are_used_only_inside_int8_weights_and_fuse_bit_iden
     after = fused_calls(calls, torch.ops.drafthead_avx2.small_linear_int8.default, x)
     with int8_weights():  # and the modules' own path agrees with both
         assert torch.equal(projections.k(x) * 2, after[1])
+
+
+def test_rows_that_stopped_cost_the_batch_runner_no_gemm_work():
+    """Inside live_entries(b) the float32 kernel multiplies only the rows of the input's first b entries (zeros for
+    the rest); the batch runner's verify sets it to its rows in use, so after rows stop (keep_rows) the padding rows
+    of its fixed-shape step reach the lm_head as zeros, while the rows in use get the logits of a batch of only them."""
+    from inference.batch_runner import BatchRunner
+    from inference.small_gemm import live_entries
+
+    module = linear(600, 96, bias=True)
+    use_small_row_kernel(module, float32=True)
+    use_int8_weights(module)
+    x = torch.randn(4, 3, 600)
+    for int8 in (False, True):  # the float32 weights and their int8 copy
+        with small_row_kernel(BATCH_KERNEL_ROWS), int8_weights(int8):
+            full = module(x)
+            with live_entries(2):
+                part = module(x)
+        assert torch.equal(part[:2], full[:2]) and not part[2:].any()
+
+    ids = torch.randint(3, 320, (4, 14), generator=torch.Generator().manual_seed(0))
+    chain = torch.ones(2, 2, dtype=torch.bool).tril().expand(2, 2, 2)
+    depths = torch.arange(2).expand(2, 2)
+    target = tiny_model("llama")
+    seen = []
+    target.lm_head.register_forward_hook(lambda module, args, out: seen.append(out))
+
+    def verify(rows: list[int], keep: list[int] | None) -> torch.Tensor:
+        runner = BatchRunner(target, [])
+        with runner.session(), torch.inference_mode():
+            runner.reset(len(rows), 14)
+            runner.prefill(ids[rows, :12])
+            if keep is not None:
+                runner.keep_rows(torch.tensor(keep))
+            return runner.verify(ids[[0, 2], 12:], depths, chain)[0]
+
+    after_stops = verify([0, 1, 2, 3], keep=[0, 2])
+    assert seen[-1].shape[0] == 4 and seen[-1][:2].any() and not seen[-1][2:].any()
+    torch.testing.assert_close(after_stops, verify([0, 2], keep=None), rtol=1e-5, atol=1e-5)
