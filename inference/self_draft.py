@@ -14,8 +14,8 @@ positions it keeps; only its drafted tokens (written in scratch slots after the 
 The draft step's shape never changes while a batch decodes: when rows finish, the draft buffers keep their batch
 size (the rows still alive first, the last of them repeated after), so with `compile` (the step is one
 torch.compile graph) no row leaving costs a recompile; the padding rows are left out of the attention and of the
-bf16 GEMMs (small_gemm.live_entries), though a draft step over a constant-size KV costs about the same for 4 rows
-as for 8 anyway (it reads the weights once either way).
+kernels' GEMMs (small_gemm.live_entries), though a draft step over a constant-size KV costs about the same for 4
+rows as for 8 anyway (it reads the weights once either way).
 
 `weights="int8"`: the draft multiplies with an int8 copy of the target's linear weights (small_gemm.py's
 int8_weights; each input row quantised to int8 too): a draft step streams half the bytes of the weights, which is
@@ -168,7 +168,7 @@ class StreamingSelfDrafter:
         # per depth (each draft token sees the chain so far, itself included)
         mask = to_additive((self.slot_pos >= 0)[:, None, None, :], self.cache.layers[0].keys.dtype)
         tokens, drafted, qs = roots[pad].view(full, 1), [], []
-        alive = torch.tensor(b)  # the padding rows cost no attention nor bf16 GEMM work (their tokens are junk)
+        alive = torch.tensor(b)  # the padding rows cost no attention nor GEMM work (their tokens are junk)
         for d in range(self.gamma):
             mask[..., self.scratch + d] = 0
             set_write_slot(self.cache, self.scratch + d)
