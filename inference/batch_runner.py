@@ -268,8 +268,8 @@ class BatchRunner:
             self._step = (compile_step(self._step_forward, self.device, name="batch_verify", unguarded=("self.cache",))
                           if self.compiled else self._step_forward)
         t0 = time.perf_counter()
-        with live_entries(b):  # rows that stopped cost neither attention nor GEMM work
-            logits, features, greedy = self._step(tokens, positions, mask, torch.tensor(b))
+        with live_entries(b) as rows:  # rows that stopped cost neither attention nor GEMM work
+            logits, features, greedy = self._step(tokens, positions, mask, rows)
         if n not in self._traced:
             self._traced.add(n)
             self.compile_s[(self.rows, self.capacity, n)] = time.perf_counter() - t0

@@ -168,14 +168,14 @@ class StreamingSelfDrafter:
         # per depth (each draft token sees the chain so far, itself included)
         mask = to_additive((self.slot_pos >= 0)[:, None, None, :], self.cache.layers[0].keys.dtype)
         tokens, drafted, qs = roots[pad].view(full, 1), [], []
-        alive = torch.tensor(b)  # the padding rows cost no attention nor GEMM work (their tokens are junk)
         for d in range(self.gamma):
             mask[..., self.scratch + d] = 0
             set_write_slot(self.cache, self.scratch + d)
             first = full not in self.compile_s
             start = time.perf_counter()
-            with int8_weights(self.int8), live_entries(b):
-                logits, greedy = self._step(tokens, positions + d, mask, self.kv_length, alive)
+            # the padding rows cost no attention nor GEMM work (their tokens are junk)
+            with int8_weights(self.int8), live_entries(b) as rows:
+                logits, greedy = self._step(tokens, positions + d, mask, self.kv_length, rows)
             if first:
                 self.compile_s[full] = time.perf_counter() - start
             if params.do_sample:

@@ -93,11 +93,11 @@ def small_row_kernel(max_rows: int = KERNEL_ROWS):
 def live_entries(entries: int):
     """Inside this context the kernels of SmallRowLinear (and of the int8 copies) multiply only the first `entries`
     entries of their input's first dimension (a batch step whose later rows have stopped: they cost no GEMM work)
-    and return zeros for the rest."""
+    and return zeros for the rest. Yields the 0-dim tensor holding `entries`, for the step's attention kernel too."""
     previous = int(_live)
     _live.fill_(entries)
     try:
-        yield
+        yield _live
     finally:
         _live.fill_(previous)
 
