@@ -1,11 +1,12 @@
 """Training throughput (tokens/s), peak memory and data/sync overhead of the default recipe's head, on CPU or CUDA.
 
     python scripts/bench_train.py --out runs/bench_train.json [--device cpu|cuda --processes 1,2 --seq-len 1024
-                                  --steps 4 --sequences 8]
+                                  --steps 4 --sequences 8 --loss-fraction 0.7]
 
 Uses the real target (SmolLM2-135M-Instruct, for the head's shape, embedding and output layer) and a small
-SYNTHETIC feature folder (random bf16 hidden states of the right widths, random tokens), so it measures the
-trainer's cost, not learning. Every run: EAGLE-3, draft vocab and max_length from the recipe, ttt_steps from
+SYNTHETIC feature folder (random bf16 hidden states of the right widths, random tokens, the loss mask over the
+last --loss-fraction of each sequence as after a prompt), so it measures the trainer's cost, not learning.
+Every run: EAGLE-3, draft vocab and max_length from the recipe, ttt_steps from
 the recipe, bf16, batch_size 1 (one sequence of --seq-len tokens per micro-batch and rank), grad_accum 1.
 The multi-process run is DeepSpeed ZeRO-2 through accelerate (gloo on CPU, NCCL on CUDA). Everything is read from
 the trainer's debug report (ranks/rank-<r>.json), over the steps after the first: tokens/s is the median of all
@@ -33,7 +34,9 @@ TCMALLOC = [Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
 
 
 def synthetic_features(folder: Path, target_path: str, aux: list[int], hidden: int, vocab: int, n: int,
-                       seq_len: int) -> None:
+                       seq_len: int, loss_fraction: float = 1.0) -> None:
+    """n random sequences of seq_len tokens; the loss mask covers the last loss_fraction of each (an answer after
+    its prompt)."""
     from train.features import FeatureWriter, Sequence
     from train.target import target_config_hash
 
@@ -41,7 +44,8 @@ def synthetic_features(folder: Path, target_path: str, aux: list[int], hidden: i
     writer = FeatureWriter(folder, {"target": Path(target_path).name, "aux_layer_ids": aux,
                                     "target_config_hash": target_config_hash(target_path),
                                     "shard_sequences": n, "num_sequences_planned": n})
-    seqs = [Sequence(torch.randint(0, vocab, (seq_len,), generator=gen), torch.ones(seq_len, dtype=torch.bool),
+    loss_mask = torch.arange(seq_len) >= round(seq_len * (1 - loss_fraction))
+    seqs = [Sequence(torch.randint(0, vocab, (seq_len,), generator=gen), loss_mask,
                      torch.randn(seq_len, len(aux) * hidden, generator=gen).to(torch.bfloat16),
                      torch.randn(seq_len, hidden, generator=gen).to(torch.bfloat16)) for _ in range(n)]
     writer.write_shard(0, seqs)
@@ -78,6 +82,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="default: the recipe's train.max_length")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--sequences", type=int, default=8)
+    parser.add_argument("--loss-fraction", type=float, default=0.7,
+                        help="share of each sequence under the loss mask (its answer; ShareGPT first turns: ~0.7)")
     parser.add_argument("--processes", default="1,2")
     parser.add_argument("--precision", default="bf16", help="bf16 | fp32 (CPUs without native bf16: fp32 is faster)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"],
@@ -105,13 +111,14 @@ def main() -> None:
         env["LD_PRELOAD"] = str(tcmalloc)
     results = {"target": recipe.target, "seq_len": seq_len, "steps": args.steps,
                "draft_vocab_size": recipe.head.draft_vocab_size, "ttt_steps": recipe.train.ttt_steps,
-               "mixed_precision": args.precision, "device": args.device, "cpu_count": os.cpu_count(),
+               "loss_fraction": args.loss_fraction, "mixed_precision": args.precision, "device": args.device,
+               "cpu_count": os.cpu_count(),
                "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None, "tcmalloc": bool(tcmalloc),
                "runs": {}}
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
         tmp = Path(tmp)
         synthetic_features(tmp / "features", recipe.target, aux, cfg.hidden_size, cfg.vocab_size,
-                           args.sequences, seq_len)
+                           args.sequences, seq_len, args.loss_fraction)
         for nproc in [int(p) for p in args.processes.split(",")]:
             out = tmp / f"out{nproc}"
             overrides = [f"features.dir={tmp / 'features'}", f"train.output_dir={out}", f"train.max_steps={args.steps}",

@@ -10,7 +10,7 @@ from tiny import tiny_head, tiny_model
 
 from drafthead import HeadConfig, HeadKVCache, HeadMismatchError, load_head, save_head
 from drafthead.capture import HiddenStateCapture
-from drafthead.masks import causal_mask, to_additive
+from drafthead.masks import causal_mask, to_additive, ttt_allowed
 from drafthead.ttt import ttt_unroll
 
 KINDS = ("eagle3", "eagle1")
@@ -103,6 +103,35 @@ def test_ttt_equals_incremental_drafting(target, kind, dtype, tol):
             prev = head(token, prev, torch.tensor([[t + i]]), mask, chain)
             assert_close_scaled(prev[:, 0], outs[i][:, t], tol)
         assert len(chain) == t + steps
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ttt_attention_equals_dense_masked_attention_with_gradients(target, kind):
+    """The unroll's structured attention (a causal block + one diagonal score per earlier step) gives the outputs
+    and parameter gradients of SDPA over all (step+1)·L keys under the dense training-time-test mask."""
+    head = tiny_head(target, kind).to(torch.float64).train()
+    steps = 4
+    ids = random_ids(2, 11, head.config.vocab_size, seed=3)
+    feats = target_features(target, head, ids).to(torch.float64)
+    params = [p for name, p in head.named_parameters() if p.requires_grad and not name.startswith(("norm", "lm_head"))]
+    weights = torch.randn(steps, 2, 10, head.config.hidden_size, generator=torch.Generator().manual_seed(4),
+                          dtype=torch.float64)
+
+    outs = ttt_unroll(head, ids, feats, steps)
+    grads = torch.autograd.grad(sum((o * w).sum() for o, w in zip(outs, weights)), params)
+    assert head.midlayer.self_attn.config._attn_implementation == "sdpa"  # restored after the unroll
+
+    hidden, cache, dense = head.fuse(feats[:, :-1]), HeadKVCache(), []
+    for step in range(steps):  # the unroll with a dense mask over every cached block
+        tokens = torch.nn.functional.pad(ids[:, 1 + step :], (0, step), value=0)
+        mask = to_additive(ttt_allowed(10, step), torch.float64)
+        hidden = head(tokens, hidden, torch.arange(10).expand(2, 10) + step, mask, cache)
+        dense.append(hidden)
+    dense_grads = torch.autograd.grad(sum((o * w).sum() for o, w in zip(dense, weights)), params)
+    for out, expected in zip(outs, dense):
+        assert_close_scaled(out, expected, 1e-10)
+    for grad, expected in zip(grads, dense_grads):
+        assert_close_scaled(grad, expected, 1e-9)
 
 
 def tree_allowed(parents: list[int]) -> torch.Tensor:
