@@ -122,7 +122,7 @@ def test_regenerate_replaces_assistant_turns_and_resumes(tmp_path, tiny_target_d
     from train.target import load_target, load_tokenizer
 
     path = tmp_path / "convs.jsonl"
-    convs = [{"id": f"r{n}", "conversations": [{"from": "human", "value": "hello world " * (n + 1)},
+    convs = [{"id": f"r{n}", "conversations": [{"from": "human", "value": "hello world " * (3 - n)},
                                                {"from": "gpt", "value": "old"}, {"from": "human", "value": "fox"},
                                                {"from": "gpt", "value": "old"}]} for n in range(3)]
     write_jsonl(path, convs)
@@ -149,8 +149,14 @@ def test_regenerate_replaces_assistant_turns_and_resumes(tmp_path, tiny_target_d
 
     chunks = sorted((tmp_path / "regen.jsonl.chunks").iterdir())
     assert len(chunks) == 2
+    # processed shortest prompt first (r2, r1 | r0), joined in the input's order
+    assert [[json.loads(line)["id"] for line in c.read_text().splitlines()] for c in chunks] == [["r2", "r1"], ["r0"]]
     stamps = [c.stat().st_mtime_ns for c in chunks]
     chunks[1].unlink()  # as if killed during the second chunk
     regenerate(r)
     assert chunks[0].stat().st_mtime_ns == stamps[0] and chunks[1].exists()
     assert [json.loads(line) for line in out.read_text().splitlines()] == rows  # greedy: same result
+    r["data"]["regenerate"]["max_new_tokens"] = 3  # another plan: its own chunks, none of the old ones reused
+    regenerate(r)
+    assert len(list((tmp_path / "regen.jsonl.chunks").iterdir())) == 4
+    assert all(len(m["content"]) < 40 for row in read_conversations(out) for m in row["messages"][1::2])

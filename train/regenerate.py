@@ -6,14 +6,17 @@ A draft head learns the target's distribution best from text the target itself w
 replaced, turn by turn, by the target's reply to the conversation so far (the user turns are kept); with
 data.max_assistant_turns=1 only first turns are kept and regenerated. Generation runs on the decoding engine's batched
 runner (inference.SpeculativeGenerator, plain decoding: static KV buffers, one forward per token for the whole
-batch), left-padded, greedy (temperature 0) or sampled. Conversations are processed in chunks; each
-finished chunk is written atomically to <output>.chunks/chunk-NNNNN-of-MMMMM.jsonl and skipped on re-run, and
-the chunks are joined into <output> (OpenAI `messages` JSONL, usable as data.conversations) when all are done.
+batch), left-padded, greedy (temperature 0) or sampled. Conversations are processed in order of prompt length
+(less padding), in chunks; each finished chunk is written atomically to
+<output>.chunks/chunk-NNNNN-of-MMMMM-<plan>.jsonl and skipped on re-run, and the chunks are joined (in the input's
+order) into <output> (OpenAI `messages` JSONL, usable as data.conversations) when all are done.
 A conversation stops at the first assistant turn whose prompt + max_new_tokens would exceed data.max_length.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -95,8 +98,24 @@ def regenerate_chunk(engine: Any, tokenizer: Any, conversations: list[dict], cfg
             if any(m["role"] == "assistant" for m in msgs)]
 
 
+def prompt_length(tokenizer: Any, conversation: dict) -> int:
+    """Tokens of the prompt of a conversation's first assistant turn (0 when it has none)."""
+    messages = conversation["messages"]
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), 0)
+    if first == 0:
+        return 0
+    return len(tokenizer.apply_chat_template(messages[:first], tokenize=True, add_generation_prompt=True,
+                                             return_dict=True)["input_ids"])
+
+
 def regenerate(recipe: Recipe | dict) -> Path:
-    """Run the regeneration described by recipe data.regenerate; returns the joined JSONL path."""
+    """Run the regeneration described by recipe data.regenerate; returns the joined JSONL path.
+
+    Conversations are processed in order of their first prompt's length, so that a batch's rows are about as long
+    as each other: a batch is prefilled left-padded to its longest prompt, and a mixed batch spends up to half of
+    its prefill on padding (ShareGPT first turns in file order, batches of 32: ~50 % in the longest batch). The
+    joined output keeps the input's order. Chunk file names carry a hash of the plan (the conversations of each
+    chunk and the generation settings): chunks of another plan are not reused."""
     recipe = parse_recipe(recipe)
     data_cfg, cfg = recipe.data, recipe.data.regenerate
     output = Path(cfg.output or Path(recipe.run_dir) / "regenerated.jsonl")
@@ -104,13 +123,17 @@ def regenerate(recipe: Recipe | dict) -> Path:
     conversations = read_conversations(data_cfg.conversations, skip_bad=data_cfg.skip_bad,
                                        limit=data_cfg.max_conversations,
                                        max_assistant_turns=data_cfg.max_assistant_turns)
+    tokenizer = load_tokenizer(recipe.target)
+    lengths = [prompt_length(tokenizer, c) for c in conversations]
+    order = sorted(range(len(conversations)), key=lambda i: lengths[i])
     size = cfg.chunk_conversations
-    chunks = [conversations[i : i + size] for i in range(0, len(conversations), size)]
-    paths = [chunks_dir / f"chunk-{i:05d}-of-{len(chunks):05d}.jsonl" for i in range(len(chunks))]  # plan in the name
+    chunks = [[conversations[i] for i in order[c : c + size]] for c in range(0, len(order), size)]
+    plan = hashlib.sha256(json.dumps([[c["id"] for c in chunk] for chunk in chunks] + [
+        dataclasses.asdict(cfg), data_cfg.max_length, Path(recipe.target).name]).encode()).hexdigest()[:10]
+    paths = [chunks_dir / f"chunk-{i:05d}-of-{len(chunks):05d}-{plan}.jsonl" for i in range(len(chunks))]
     todo = [i for i, p in enumerate(paths) if not p.exists()]
     print(f"{len(conversations)} conversations, {len(chunks)} chunks, {len(chunks) - len(todo)} already done")
     if todo:
-        tokenizer = load_tokenizer(recipe.target)
         engine = replier(load_target(recipe.target, device=recipe.device, dtype=recipe.dtype), tokenizer)
         bar = tqdm(total=sum(len(chunks[i]) for i in todo), unit="conv", desc="regenerate")
         for i in todo:
@@ -118,9 +141,13 @@ def regenerate(recipe: Recipe | dict) -> Path:
             rows = regenerate_chunk(engine, tokenizer, chunks[i], cfg, data_cfg.max_length, bar, generator)
             atomic_write_text(paths[i], "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         bar.close()
-    joined = "".join(p.read_text(encoding="utf-8") for p in paths)
-    atomic_write_text(output, joined)
-    print(f"wrote {output} ({joined.count(chr(10))} conversations): use it with data.conversations={output}")
+    position = {}
+    for i, conversation in enumerate(conversations):
+        position.setdefault(conversation["id"], i)
+    rows = [line for p in paths for line in p.read_text(encoding="utf-8").splitlines()]
+    rows.sort(key=lambda line: position[json.loads(line)["id"]])  # the input's order
+    atomic_write_text(output, "".join(line + "\n" for line in rows))
+    print(f"wrote {output} ({len(rows)} conversations): use it with data.conversations={output}")
     return output
 
 
