@@ -78,7 +78,7 @@ class DraftTrainModule(nn.Module):
         needed = loss_mask[:, 1:].bool()  # (B, T-1)
         probs, greedy_rows, in_draft_rows = self.target_distribution(last_hidden[:, :-1][needed])  # (M, Vd), (M,)
         row_of = (needed.flatten().cumsum(0) - 1).view_as(needed)
-        greedy = torch.full_like(input_ids[:, :-1], -1).masked_scatter(needed, greedy_rows)  # (B, T-1)
+        greedy = torch.full_like(needed, -1, dtype=greedy_rows.dtype).masked_scatter(needed, greedy_rows)  # (B, T-1)
         features = aux_hidden.to(dtype) if head.eagle3 else last_hidden  # (B, T, k·H) or (B, T, H)
         if self.training and self.feature_noise > 0:
             features = features + (torch.rand_like(features) * 2 - 1) * self.feature_noise
@@ -102,8 +102,8 @@ class DraftTrainModule(nn.Module):
                 regress = F.smooth_l1_loss(out.float(), last_hidden[:, 1 : 1 + n][valid].float(), reduction="none")
                 count = max(ce.numel(), 1)
                 loss = loss + regress.mean(-1).sum() / count + EAGLE1_CE_WEIGHT * ce.sum() / count
-            pred = torch.full_like(valid, -1, dtype=input_ids.dtype)
-            preds.append(pred.masked_scatter(valid, head.draft_to_target(logits.max(-1).indices)))
+            tokens = head.draft_to_target(logits.max(-1).indices)  # (N,)
+            preds.append(torch.full_like(valid, -1, dtype=tokens.dtype).masked_scatter(valid, tokens))
             targets.append(greedy[:, i + 1 : i + 1 + n])
             valids.append(valid)
         return {"loss": loss, "preds": preds, "targets": targets, "valid": valids}
