@@ -124,7 +124,8 @@ def regenerate(recipe: Recipe | dict) -> Path:
                                        limit=data_cfg.max_conversations,
                                        max_assistant_turns=data_cfg.max_assistant_turns)
     tokenizer = load_tokenizer(recipe.target)
-    lengths = [prompt_length(tokenizer, c) for c in conversations]
+    lengths = [prompt_length(tokenizer, c) for c in tqdm(conversations, desc="prompt lengths", unit="conv",
+                                                          disable=len(conversations) < 5000)]
     order = sorted(range(len(conversations)), key=lambda i: lengths[i])
     size = cfg.chunk_conversations
     chunks = [[conversations[i] for i in order[c : c + size]] for c in range(0, len(order), size)]
