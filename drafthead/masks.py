@@ -53,7 +53,3 @@ def ttt_allowed(length: int, step: int, device=None) -> torch.Tensor:
     eye = torch.eye(length, dtype=torch.bool, device=device)
     blocks += [eye] * step
     return torch.cat(blocks, dim=1)
-
-
-def ttt_mask(length: int, step: int, dtype: torch.dtype, device=None) -> torch.Tensor:
-    return to_additive(ttt_allowed(length, step, device), dtype)

@@ -29,6 +29,11 @@ from drafthead.ttt import ttt_unroll
 EAGLE1_CE_WEIGHT = 0.1
 
 
+def _spread(where: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """values (N,) placed at the N true entries of `where` (bool); -1 elsewhere."""
+    return torch.full_like(where, -1, dtype=values.dtype).masked_scatter(where, values)
+
+
 class DraftTrainModule(nn.Module):
     """Head + frozen target output layers; forward(batch) -> dict(loss, preds, targets, valid)."""
 
@@ -73,12 +78,13 @@ class DraftTrainModule(nn.Module):
         dtype = head.fc.weight.dtype
         seq_len = input_ids.shape[1]
         last_hidden = last_hidden.to(dtype)  # (B, T, H)
+        loss_mask = loss_mask.bool()
         # the target's distribution at the positions p whose next token is trained on (loss_mask[p+1]), compacted
         # to rows; row_of[b, p] is p's row (step i reads p = t+i+1 for its output t)
-        needed = loss_mask[:, 1:].bool()  # (B, T-1)
+        needed = loss_mask[:, 1:]  # (B, T-1)
         probs, greedy_rows, in_draft_rows = self.target_distribution(last_hidden[:, :-1][needed])  # (M, Vd), (M,)
         row_of = (needed.flatten().cumsum(0) - 1).view_as(needed)
-        greedy = torch.full_like(needed, -1, dtype=greedy_rows.dtype).masked_scatter(needed, greedy_rows)  # (B, T-1)
+        greedy = _spread(needed, greedy_rows)  # (B, T-1)
         features = aux_hidden.to(dtype) if head.eagle3 else last_hidden  # (B, T, k·H) or (B, T, H)
         if self.training and self.feature_noise > 0:
             features = features + (torch.rand_like(features) * 2 - 1) * self.feature_noise
@@ -90,7 +96,7 @@ class DraftTrainModule(nn.Module):
             n = seq_len - i - 2  # output indices t with t+i+2 < T
             if n <= 0:
                 break
-            valid = loss_mask[:, i + 2 : i + 2 + n].bool()  # (B, n) predicts x_{t+i+2}
+            valid = loss_mask[:, i + 2 : i + 2 + n]  # (B, n) predicts x_{t+i+2}
             out = out[:, :n][valid]  # (N, H): the valid outputs only
             rows = row_of[:, i + 1 : i + 1 + n][valid]  # (N,) their rows of the target's distribution
             logits = head.logits(out)  # (N, Vd)
@@ -102,8 +108,7 @@ class DraftTrainModule(nn.Module):
                 regress = F.smooth_l1_loss(out.float(), last_hidden[:, 1 : 1 + n][valid].float(), reduction="none")
                 count = max(ce.numel(), 1)
                 loss = loss + regress.mean(-1).sum() / count + EAGLE1_CE_WEIGHT * ce.sum() / count
-            tokens = head.draft_to_target(logits.max(-1).indices)  # (N,)
-            preds.append(torch.full_like(valid, -1, dtype=tokens.dtype).masked_scatter(valid, tokens))
+            preds.append(_spread(valid, head.draft_to_target(logits.max(-1).indices)))
             targets.append(greedy[:, i + 1 : i + 1 + n])
             valids.append(valid)
         return {"loss": loss, "preds": preds, "targets": targets, "valid": valids}
