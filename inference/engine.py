@@ -33,6 +33,7 @@ from drafthead.masks import causal_allowed
 from .batch import decode_batch
 from .batch_head import BatchHeadDrafter
 from .batch_runner import BatchRunner
+from .batch_queue import left_pad, prefilled_requests
 from .batch_switch import SpeculationSwitch
 from .batch_tree import PlainBatchDrafter
 from .draft_model import DraftModelDrafter, load_draft_model
@@ -116,6 +117,12 @@ class GenerationOutput:
     stats: GenerationStats
 
 
+@dataclass
+class QueueOutput:
+    new_tokens: list[list[int]]  # each prompt's new tokens, in the prompts' order
+    stats: GenerationStats
+
+
 class Stopper:
     """Where plain decoding would stop inside a batch of new tokens: eos, stop strings, max_new_tokens."""
 
@@ -194,6 +201,7 @@ class SpeculativeGenerator:
             check_compatible(draft.config, target.config)
             self.head = draft.eval()
         self._batch_runner: BatchRunner | None = None
+        self._prefill_runner: BatchRunner | None = None  # generate_many: prefills the waiting prompts
         self.batch_drafter = None  # drafts for a batch (batch_tree.py); None where only one row is supported
         # always the batched path: self-speculation and windowed draft KV exist only there (B = 1 is a batch)
         self.batch_only = draft_kv == "streaming" or isinstance(draft, StreamingSelfDrafter)
@@ -427,6 +435,67 @@ class SpeculativeGenerator:
         for i, row in enumerate(new):
             out[i, : len(row)] = torch.tensor(row, dtype=torch.long, device=self.device)
         return GenerationOutput(torch.cat([input_ids, out], dim=1), stats)
+
+    @torch.inference_mode()
+    def generate_many(
+        self,
+        prompts: list[torch.Tensor] | list[list[int]],
+        max_new_tokens: int | None = None,
+        batch_size: int = 8,
+        prefill_group: int = 8,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        do_sample: bool | None = None,
+        eos_token_id: int | list[int] | None = None,
+        stop: list[str] | str | None = None,
+        generation_config: Any = None,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        tokenizer: Any = None,
+    ) -> QueueOutput:
+        """Generate for a queue of prompts (each 1-D token ids, any lengths) with continuous batching
+        (batch_queue.py): `batch_size` rows decode at once and a finished row takes the next prompt, prefilled
+        `prefill_group` at a time. Same outputs as generate() on each prompt alone (greedy: token for token in
+        fp32); other arguments as in generate(). Returns each prompt's new tokens in the prompts' order."""
+        t_start = time.perf_counter()
+        if self.batch_drafter is None:
+            raise NotImplementedError(f"batched generation supports plain decoding, an EAGLE head and "
+                                      f"self-speculation; the {self.drafter.name} drafter takes one row at a time")
+        if batch_size < 1 or prefill_group < 1:
+            raise ValueError(f"batch_size and prefill_group must be >= 1, got {batch_size} and {prefill_group}")
+        gc = generation_config
+        params = SamplingParams.make(temperature, top_k, top_p, do_sample, gc)
+        if max_new_tokens is None:
+            max_new_tokens = getattr(gc, "max_new_tokens", None) or 20
+        if generator is None and seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        prompts = [torch.as_tensor(p, dtype=torch.long).view(-1).to(self.device) for p in prompts]
+        stats = GenerationStats()
+        if not prompts:
+            return QueueOutput([], stats)
+        if min(len(p) for p in prompts) == 0:
+            raise ValueError("every prompt needs at least one token")
+
+        def stopper() -> Stopper:
+            return self._stopper(gc, eos_token_id, stop, tokenizer, max_new_tokens)
+
+        b = min(batch_size, len(prompts))
+        ids, mask = left_pad(prompts[:b])
+        waiting = None
+        if len(prompts) > b:
+            if self._prefill_runner is None:
+                self._prefill_runner = BatchRunner(self.target, self.batch_drafter.feature_layers)
+            waiting = prefilled_requests(self._prefill_runner, prompts[b:], prefill_group, stopper, stats)
+        runner = self.batch_runner
+        runner.reset(b, max(len(p) for p in prompts) + max_new_tokens + self.batch_drafter.tree_size)
+        with runner.session():
+            new = decode_batch(runner, self.batch_drafter, ids, mask, params, [stopper() for _ in range(b)],
+                               generator, stats, synchronizer(self.device), waiting=waiting, switch=self.switch)
+        stats.rows_new_tokens = [len(row) for row in new]
+        stats.new_tokens = sum(stats.rows_new_tokens)
+        stats.total_time_s = time.perf_counter() - t_start
+        return QueueOutput(new, stats)
 
     def _pad_token(self, gc: Any) -> int:
         """The id that right-pads a batch's shorter rows: pad token, else eos, else 0 (as generate does)."""

@@ -142,6 +142,31 @@ def test_continuous_batching_admits_waiting_requests_losslessly():
         assert 0 < stats.busy_tokens <= sum(len(r) for r in new) and 0 < stats.busy_time_s, name
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_generate_many_equals_each_prompt_alone(arch):
+    """A queue of 7 prompts of different lengths through 3 rows (continuous batching; the waiting prompts
+    prefilled 2 at a time, left-padded): each prompt's fp32 greedy output equals it decoded alone, eos stopping
+    prompts at different steps, for every batched method; outputs come back in the prompts' order."""
+    target = near_bigram_target(arch)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, target.config.vocab_size, (n,), generator=g) for n in (9, 3, 12, 1, 6, 9, 4)]
+    alone = [target.generate(p[None], do_sample=False, max_new_tokens=20, eos_token_id=None)[0, p.shape[0]:].tolist()
+             for p in prompts]
+    eos = next(e for e in alone[0][:10] if len({a.index(e) if e in a else 20 for a in alone}) > 2)
+    ends = [a.index(eos) + 1 if eos in a else 20 for a in alone]
+    for name, gen in generators(target).items():
+        out = gen.generate_many(prompts, max_new_tokens=20, batch_size=3, prefill_group=2, eos_token_id=eos)
+        assert out.new_tokens == [a[:e] for a, e in zip(alone, ends)], name
+        assert out.stats.rows_new_tokens == ends and out.stats.new_tokens == sum(ends), name
+        assert out.stats.admit_time_s > 0 and out.stats.busy_steps > 0, name
+    plain = generators(target)["plain"]
+    assert plain.generate_many([p.tolist() for p in prompts[:2]], max_new_tokens=20, batch_size=3,
+                               eos_token_id=eos).new_tokens == [a[:e] for a, e in zip(alone[:2], ends[:2])]
+    assert plain.generate_many([], max_new_tokens=5).new_tokens == []
+    with pytest.raises(ValueError, match="at least one token"):
+        plain.generate_many([prompts[0], torch.zeros(0, dtype=torch.long)], max_new_tokens=5)
+
+
 def test_compiled_batch_keeps_one_graph_as_rows_leave():
     """Compiled self-draft and compiled target verify: rows stop at different steps and leave the batch (the rows
     still decoding move forward in the same buffers, attention skips the rest), the draft and verify steps keep

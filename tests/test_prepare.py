@@ -129,15 +129,15 @@ def test_regenerate_replaces_assistant_turns_and_resumes(tmp_path, tiny_target_d
     out = tmp_path / "regen.jsonl"
     r = recipe(tiny_target_dir, path, tmp_path / "unused", max_length=256)
     r.update(device="cpu", dtype="float32")
-    r["data"]["regenerate"] = {"output": str(out), "max_new_tokens": 5, "batch_size": 2, "chunk_conversations": 2}
+    r["data"]["regenerate"] = {"output": str(out), "max_new_tokens": 5, "batch_size": 1, "chunk_conversations": 2}
     assert regenerate(r) == out
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [row["id"] for row in rows] == ["r0", "r1", "r2"]
     assert [m["role"] for m in rows[0]["messages"]] == ["user", "assistant", "user", "assistant"]
     assert all(m["content"] != "old" for row in rows for m in row["messages"])
 
-    # the first reply (the engine's batched, left-padded decoding above) equals transformers' own greedy reply to
-    # that prompt alone, and the engine's reply alone
+    # r1's first reply (one row decoding, r1 waiting for it in the queue: prefilled apart, then admitted into the
+    # row r2 freed) equals transformers' own greedy reply to that prompt alone, and the engine's reply alone
     model, tok = load_target(tiny_target_dir, "cpu", "float32"), load_tokenizer(tiny_target_dir)
     ids = tok.apply_chat_template(rows[1]["messages"][:1], add_generation_prompt=True, return_tensors="pt",
                                   return_dict=True)["input_ids"]

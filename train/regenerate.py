@@ -5,11 +5,11 @@
 A draft head learns the target's distribution best from text the target itself wrote. Every assistant turn is
 replaced, turn by turn, by the target's reply to the conversation so far (the user turns are kept); with
 data.max_assistant_turns=1 only first turns are kept and regenerated. Generation runs on the decoding engine's batched
-runner (inference.SpeculativeGenerator, plain decoding: static KV buffers, one forward per token for the whole
-batch), left-padded, greedy (temperature 0) or sampled. Conversations are processed in order of prompt length
-(less padding), in chunks; each finished chunk is written atomically to
-<output>.chunks/chunk-NNNNN-of-MMMMM-<plan>.jsonl and skipped on re-run, and the chunks are joined (in the input's
-order) into <output> (OpenAI `messages` JSONL, usable as data.conversations) when all are done.
+runner (inference.SpeculativeGenerator.generate_many, plain decoding: static KV buffers, one forward per token for
+the whole batch, continuous batching: a row whose reply is done takes the next prompt), greedy (temperature 0) or
+sampled. Conversations are processed in order of prompt length (less padding), in chunks; each finished chunk is
+written atomically to <output>.chunks/chunk-NNNNN-of-MMMMM-<plan>.jsonl and skipped on re-run, and the chunks are
+joined (in the input's order) into <output> (OpenAI `messages` JSONL, usable as data.conversations) when all are done.
 A conversation stops at the first assistant turn whose prompt + max_new_tokens would exceed data.max_length.
 """
 
@@ -33,7 +33,7 @@ from train.target import load_target, load_tokenizer
 
 def replier(model: Any, tokenizer: Any) -> Any:
     """The decoding engine's plain batched decoding of `model` (inference.SpeculativeGenerator, tree="none"):
-    preallocated KV buffers written in place, every row in one forward per token, finished rows leave the batch.
+    preallocated KV buffers written in place, every row in one forward per token, a finished row takes the next prompt.
     Greedy output equals transformers' generate token for token (fp32); it is several times cheaper per token."""
     from inference import SpeculativeGenerator  # the engine generates the data; inference never imports train
 
@@ -42,27 +42,24 @@ def replier(model: Any, tokenizer: Any) -> Any:
 
 @torch.inference_mode()
 def generate_replies(engine: Any, tokenizer: Any, prompts: list[list[dict]], max_new_tokens: int,
-                     temperature: float = 0.0, top_p: float = 1.0,
-                     generator: torch.Generator | None = None) -> tuple[list[str], int]:
-    """The target's replies to a batch of conversations (each ending with a user turn); also the new-token count.
-    `engine`: replier(model, tokenizer)."""
-    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
-    tokenizer.padding_side = "left"
-    enc = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(engine.device)
+                     temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
+                     batch_size: int = 32) -> tuple[list[str], int]:
+    """The target's replies to conversations (each ending with a user turn), `batch_size` decoding at once with
+    continuous batching (a finished row takes the next prompt); also the new-token count. `engine`: replier()."""
+    ids = [tokenizer.apply_chat_template(p, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+           for p in prompts]
     sample = temperature > 0
-    out = engine.generate(enc["input_ids"], attention_mask=enc["attention_mask"], max_new_tokens=max_new_tokens,
-                          do_sample=sample, temperature=temperature if sample else None,
-                          top_p=top_p if sample else None, generator=generator)
-    width = enc["input_ids"].shape[1]
-    lengths = out.stats.rows_new_tokens or [out.stats.new_tokens]  # a batch of one runs the single-row path
-    new = [out.sequences[i, width: width + n] for i, n in enumerate(lengths)]
-    replies = tokenizer.batch_decode(new, skip_special_tokens=True)
-    return [r.strip() for r in replies], sum(lengths)
+    out = engine.generate_many(ids, max_new_tokens=max_new_tokens, batch_size=batch_size, do_sample=sample,
+                               temperature=temperature if sample else None, top_p=top_p if sample else None,
+                               generator=generator)
+    replies = tokenizer.batch_decode(out.new_tokens, skip_special_tokens=True)
+    return [r.strip() for r in replies], out.stats.new_tokens
 
 
 def regenerate_chunk(engine: Any, tokenizer: Any, conversations: list[dict], cfg: RegenerateSection,
                      max_length: int, bar: tqdm, generator: torch.Generator | None = None) -> list[dict]:
-    """Replace every assistant turn of `conversations`, turn by turn across the chunk, in length-sorted batches."""
+    """Replace every assistant turn of `conversations`, turn by turn across the chunk: each turn's prompts in order
+    of length through one queue (continuous batching, cfg.batch_size rows)."""
     done = [[] for _ in conversations]  # regenerated message lists so far
     cursor = [0] * len(conversations)  # index of the next original message to consume
     alive = set(range(len(conversations)))
@@ -83,15 +80,15 @@ def regenerate_chunk(engine: Any, tokenizer: Any, conversations: list[dict], cfg
                 alive.discard(c)
                 continue
             waiting.append((length, c))
-        waiting.sort()
-        for b in range(0, len(waiting), cfg.batch_size):
-            batch = [c for _, c in waiting[b : b + cfg.batch_size]]
-            replies, n = generate_replies(engine, tokenizer, [done[c] for c in batch], cfg.max_new_tokens,
-                                          cfg.temperature, cfg.top_p, generator)
-            for c, reply in zip(batch, replies):
-                done[c].append({"role": "assistant", "content": reply})
-                cursor[c] += 1
-            tokens += n
+        waiting.sort()  # shortest prompts first: the rows of a batch, and of a prefill group, about as long
+        queue = [c for _, c in waiting]
+        replies, n = generate_replies(engine, tokenizer, [done[c] for c in queue], cfg.max_new_tokens,
+                                      cfg.temperature, cfg.top_p, generator, cfg.batch_size)
+        for c, reply in zip(queue, replies):
+            done[c].append({"role": "assistant", "content": reply})
+            cursor[c] += 1
+        tokens += n
+        if queue:
             bar.set_postfix(gen_tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
     bar.update(len(conversations))
     return [{"id": conv["id"], "messages": msgs} for conv, msgs in zip(conversations, done)
@@ -111,9 +108,10 @@ def prompt_length(tokenizer: Any, conversation: dict) -> int:
 def regenerate(recipe: Recipe | dict) -> Path:
     """Run the regeneration described by recipe data.regenerate; returns the joined JSONL path.
 
-    Conversations are processed in order of their first prompt's length, so that a batch's rows are about as long
-    as each other: a batch is prefilled left-padded to its longest prompt, and a mixed batch spends up to half of
-    its prefill on padding (ShareGPT first turns in file order, batches of 32: ~50 % in the longest batch). The
+    Conversations are processed in order of their first prompt's length, so that the prompts prefilled together
+    are about as long as each other: a group is prefilled left-padded to its longest prompt, and a mixed batch
+    spends up to half of its prefill on padding (ShareGPT first turns in file order, batches of 32: ~50 % in the
+    longest batch). The
     joined output keeps the input's order. Chunk file names carry a hash of the plan (the conversations of each
     chunk and the generation settings): chunks of another plan are not reused."""
     recipe = parse_recipe(recipe)

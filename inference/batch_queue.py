@@ -1,0 +1,50 @@
+"""A queue of prompts decoded with continuous batching (offline batch inference: data regeneration, evaluation).
+
+The first `batch` prompts are prefilled together and decoded as a batch (batch.py); each time a row finishes, the
+next prompt in the queue takes its place (runner.admit), so the batch stays full until the queue runs dry, instead
+of shrinking to its slowest rows as a fixed batch does. The waiting prompts are prefilled on demand, `group` at a
+time (left-padded), by a second runner over the same model whose buffers hold only that group: the queue's KV is
+never held in memory all at once. Outputs come back in the queue's order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from .batch import Request
+from .batch_runner import BatchRunner
+
+
+def left_pad(prompts: Sequence[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-D prompts -> left-padded input_ids (B, T) and attention_mask (B, T), on the prompts' device."""
+    width = max(len(p) for p in prompts)
+    device = prompts[0].device
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = p
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def prefilled_requests(runner: BatchRunner, prompts: Sequence[torch.Tensor], group: int,
+                       stopper: Callable[[], Any], stats: Any) -> Iterator[Request]:
+    """Each prompt as a waiting Request, prefilled `group` prompts at a time on `runner` (its buffers reset for
+    each group) when the decoder asks for the next one; the prefill time is added to stats.prefill_time_s."""
+    for g in range(0, len(prompts), group):
+        part = prompts[g: g + group]
+        t0 = time.perf_counter()
+        ids, mask = left_pad(part)
+        runner.reset(len(part), ids.shape[1])
+        with runner.session():
+            logits, features = runner.prefill(ids, mask)
+        rows = runner.export_rows()
+        stats.prefill_time_s += time.perf_counter() - t0
+        stats.target_forwards += 1
+        for i, (prompt, row) in enumerate(zip(part, rows)):
+            feats = None if features is None else features[i, ids.shape[1] - len(prompt):]
+            yield Request(prompt, row["kv"], logits[i], feats, stopper())
