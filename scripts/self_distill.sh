@@ -8,7 +8,9 @@
 #    same prompts); both prepared with the same template and mask;
 # 3. two fine-tunes from HEAD with identical train settings (online features, same steps and batch tokens);
 # 4. tau of HEAD and both fine-tunes with the GPU default tree on all 80 MT-bench first turns (scripts/tau_table.py).
-# Every stage skips what is already done (re-run after a kill); results land in RUN_DIR/tau_table.json.
+# Every stage skips what is already done and training resumes from its last checkpoint (re-run after a kill);
+# results land in RUN_DIR/tau_table.json. ARMS=parallel trains the two arms side by side, each on half of the
+# cores (logs in RUN_DIR/train-ARM.log), so that a run cut short leaves both at about the same step.
 set -euo pipefail
 HEAD=${1:?usage: scripts/self_distill.sh HEAD [RECIPE]}
 RECIPE=${2:-configs/smollm2-135m-selfdistill-cpu.yaml}
@@ -38,8 +40,20 @@ for arm in self original; do
   data="$RUN/regenerated.jsonl"; [ "$arm" = original ] && data="$RUN/original.jsonl"
   [ -d "$RUN/prepared-$arm" ] || $PY -m train.prepare "$RECIPE" data.conversations="$data" \
       data.prepared_dir="$RUN/prepared-$arm"
-  $PY -m train "$RECIPE" head.init_from="$HEAD" data.prepared_dir="$RUN/prepared-$arm" \
-      train.output_dir="$RUN/train-$arm"
 done
+train_arm() {
+  $PY -m train "$RECIPE" head.init_from="$HEAD" data.prepared_dir="$RUN/prepared-$1" train.output_dir="$RUN/train-$1"
+}
+if [ "${ARMS:-}" = parallel ]; then
+  threads=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))
+  pids=()
+  for arm in self original; do
+    OMP_NUM_THREADS=$threads train_arm $arm > "$RUN/train-$arm.log" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done  # (set -e: a failed arm stops the script here)
+else
+  for arm in self original; do train_arm $arm; done
+fi
 $PY scripts/tau_table.py --heads start="$HEAD" self="$RUN/train-self/final" original="$RUN/train-original/final" \
     --tree gpu --num-prompts 80 --max-new-tokens 64 --out "$RUN/tau_table.json"
