@@ -1,7 +1,7 @@
 """A queue of prompts decoded with continuous batching (offline batch inference: data regeneration, evaluation).
 
-The first `batch` prompts are prefilled together and decoded as a batch (batch.py); each time a row finishes, the
-next prompt in the queue takes its place (runner.admit), so the batch stays full until the queue runs dry, instead
+The first `batch_size` prompts are prefilled together and decoded as a batch (batch.py); each time a row finishes,
+the next prompt in the queue takes its place (runner.admit), so the batch stays full until the queue runs dry, instead
 of shrinking to its slowest rows as a fixed batch does. The waiting prompts are prefilled on demand, `group` at a
 time (left-padded), by a second runner over the same model whose buffers hold only that group: the queue's KV is
 never held in memory all at once. Outputs come back in the queue's order.
