@@ -56,4 +56,4 @@ else
   for arm in self original; do train_arm $arm; done
 fi
 $PY scripts/tau_table.py --heads start="$HEAD" self="$RUN/train-self/final" original="$RUN/train-original/final" \
-    --tree gpu --num-prompts 80 --max-new-tokens 64 --out "$RUN/tau_table.json"
+    --tree gpu --num-prompts 80 --max-new-tokens 64 --batch-size 8 --out "$RUN/tau_table.json"

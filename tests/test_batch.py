@@ -146,7 +146,9 @@ def test_continuous_batching_admits_waiting_requests_losslessly():
 def test_generate_many_equals_each_prompt_alone(arch):
     """A queue of 7 prompts of different lengths through 3 rows (continuous batching; the waiting prompts
     prefilled 2 at a time, left-padded): each prompt's fp32 greedy output equals it decoded alone, eos stopping
-    prompts at different steps, for every batched method; outputs come back in the prompts' order."""
+    prompts at different steps, for every batched method; outputs come back in the prompts' order. With a head,
+    each prompt takes as many verifications as it does alone (the batched trees are the single-row trees: τ
+    measured in a batch is τ alone)."""
     target = near_bigram_target(arch)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, target.config.vocab_size, (n,), generator=g) for n in (9, 3, 12, 1, 6, 9, 4)]
@@ -159,6 +161,10 @@ def test_generate_many_equals_each_prompt_alone(arch):
         assert out.new_tokens == [a[:e] for a, e in zip(alone, ends)], name
         assert out.stats.rows_new_tokens == ends and out.stats.new_tokens == sum(ends), name
         assert out.stats.admit_time_s > 0 and out.stats.busy_steps > 0, name
+        if not gen.batch_only:  # the batched trees are the single-row trees: each prompt verified as often alone
+            alone_steps = [len(gen.generate(p[None], max_new_tokens=20, eos_token_id=eos).stats.accept_lengths)
+                           for p in prompts]
+            assert out.stats.rows_steps == alone_steps, name
     plain = generators(target)["plain"]
     assert plain.generate_many([p.tolist() for p in prompts[:2]], max_new_tokens=20, batch_size=3,
                                eos_token_id=eos).new_tokens == [a[:e] for a, e in zip(alone[:2], ends[:2])]
