@@ -385,12 +385,9 @@ class SpeculativeGenerator:
         new tokens (right-padded with the pad token to the longest row)."""
         t_start = time.perf_counter()
         gc = generation_config
-        params = SamplingParams.make(temperature, top_k, top_p, do_sample, gc)
-        if max_new_tokens is None:
-            max_new_tokens = getattr(gc, "max_new_tokens", None) or 20
+        params, max_new_tokens, generator = self._settings(gc, temperature, top_k, top_p, do_sample, max_new_tokens,
+                                                           seed, generator)
         stopper = self._stopper(gc, eos_token_id, stop, tokenizer, max_new_tokens)
-        if generator is None and seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(seed)
         input_ids = torch.as_tensor(input_ids)
         if input_ids.dim() > 2:
             raise ValueError(f"input_ids must be (B, T) or (T,), got {tuple(input_ids.shape)}")
@@ -411,9 +408,7 @@ class SpeculativeGenerator:
     def _generate_batch(self, input_ids, attention_mask, params, gc, eos_token_id, stop, tokenizer,
                         max_new_tokens, generator, streamer, t_start) -> GenerationOutput:
         """Every row at once (batch.py): one target forward verifies all rows' trees."""
-        if self.batch_drafter is None:
-            raise NotImplementedError(f"batched generation supports plain decoding, an EAGLE head and "
-                                      f"self-speculation; the {self.drafter.name} drafter takes one row at a time")
+        self._require_batch_drafter()
         if streamer is not None:
             raise ValueError("a streamer follows one sequence: pass input_ids of batch size 1")
         b, t = input_ids.shape
@@ -459,17 +454,12 @@ class SpeculativeGenerator:
         `prefill_group` at a time. Same outputs as generate() on each prompt alone (greedy: token for token in
         fp32); other arguments as in generate(). Returns each prompt's new tokens in the prompts' order."""
         t_start = time.perf_counter()
-        if self.batch_drafter is None:
-            raise NotImplementedError(f"batched generation supports plain decoding, an EAGLE head and "
-                                      f"self-speculation; the {self.drafter.name} drafter takes one row at a time")
+        self._require_batch_drafter()
         if batch_size < 1 or prefill_group < 1:
             raise ValueError(f"batch_size and prefill_group must be >= 1, got {batch_size} and {prefill_group}")
         gc = generation_config
-        params = SamplingParams.make(temperature, top_k, top_p, do_sample, gc)
-        if max_new_tokens is None:
-            max_new_tokens = getattr(gc, "max_new_tokens", None) or 20
-        if generator is None and seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(seed)
+        params, max_new_tokens, generator = self._settings(gc, temperature, top_k, top_p, do_sample, max_new_tokens,
+                                                           seed, generator)
         prompts = [torch.as_tensor(p, dtype=torch.long).view(-1).to(self.device) for p in prompts]
         stats = GenerationStats()
         if not prompts:
@@ -496,6 +486,21 @@ class SpeculativeGenerator:
         stats.new_tokens = sum(stats.rows_new_tokens)
         stats.total_time_s = time.perf_counter() - t_start
         return QueueOutput(new, stats)
+
+    def _settings(self, gc: Any, temperature, top_k, top_p, do_sample, max_new_tokens, seed, generator):
+        """(sampling parameters, max_new_tokens, generator) from generate()'s arguments and the generation config:
+        explicit arguments win; 20 new tokens by default; a generator seeded with `seed` where none is given."""
+        params = SamplingParams.make(temperature, top_k, top_p, do_sample, gc)
+        if max_new_tokens is None:
+            max_new_tokens = getattr(gc, "max_new_tokens", None) or 20
+        if generator is None and seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        return params, max_new_tokens, generator
+
+    def _require_batch_drafter(self) -> None:
+        if self.batch_drafter is None:
+            raise NotImplementedError(f"batched generation supports plain decoding, an EAGLE head and "
+                                      f"self-speculation; the {self.drafter.name} drafter takes one row at a time")
 
     def _pad_token(self, gc: Any) -> int:
         """The id that right-pads a batch's shorter rows: pad token, else eos, else 0 (as generate does)."""
