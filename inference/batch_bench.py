@@ -35,6 +35,7 @@ from drafthead.utils import place_module
 
 from .batch import Request, decode_batch
 from .batch_head import BatchHeadDrafter
+from .batch_queue import prefilled_requests
 from .batch_runner import BatchRunner
 from .batch_switch import SpeculationSwitch
 from .batch_tree import PlainBatchDrafter
@@ -99,19 +100,14 @@ def make_drafters(args, model, head, tokenizer=None) -> dict:
             if name.removesuffix(AUTO) in drafters}
 
 
-def prefill_rows(runner: BatchRunner, prompts: list[list[int]], room: int, group: int = 4) -> tuple[list[dict], float]:
+def prefill_rows(runner: BatchRunner, prompts: list[list[int]], group: int = 4) -> tuple[list[dict], float]:
     """Prefill every prompt once (`group` rows at a time); each row's KV entries, last logits and features, to
     build any batch of these prompts from. Returns (rows, seconds)."""
     device = next(runner.model.parameters()).device
-    rows, t0 = [], time.perf_counter()
-    for g in range(0, len(prompts), group):
-        ids = torch.tensor(prompts[g: g + group], dtype=torch.long, device=device)
-        runner.reset(ids.shape[0], ids.shape[1] + room)
-        with runner.session(), torch.inference_mode():
-            logits, features = runner.prefill(ids)
-        for i, row in enumerate(runner.export_rows()):
-            row.update(ids=ids[i], logits=logits[i], features=features[i] if features is not None else None)
-            rows.append(row)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        requests = prefilled_requests(runner, [torch.tensor(p, device=device) for p in prompts], group, lambda: None)
+        rows = [dict(ids=r.ids, kv=r.kv, logits=r.logits, features=r.features) for r in requests]
     return rows, time.perf_counter() - t0
 
 
@@ -225,12 +221,11 @@ def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
               "gamma": args.gamma, "repeats": args.repeats, "continuous": args.continuous,
               "draft_vocab": args.draft_vocab if "self_vocab" in names else None,
               "methods": {n: BATCH_METHODS[n] for n in names}, "cells": []}
-    room = args.max_new_tokens + max(d.tree_size for d in drafters.values())
     for context in args.contexts:
         distinct = max(args.batch_sizes) if args.continuous else max(max(args.batch_sizes), args.prompts_per_cell)
         prompts = long_prompts(tokenizer, context, distinct, task=args.task)
         peak_rss_reset()
-        rows, seconds = prefill_rows(runner, prompts, room)
+        rows, seconds = prefill_rows(runner, prompts)
         result.setdefault("prefill", {})[str(context)] = {"prompts": len(rows), "seconds": round(seconds, 1),
                                                           "tokens_per_s": len(rows) * context / seconds}
         print(f"context {context}: prefilled {len(rows)} prompts in {seconds:.0f} s", flush=True)

@@ -32,9 +32,10 @@ def left_pad(prompts: Sequence[torch.Tensor], pad: int = 0) -> tuple[torch.Tenso
 
 
 def prefilled_requests(runner: BatchRunner, prompts: Sequence[torch.Tensor], group: int,
-                       stopper: Callable[[], Any], stats: Any) -> Iterator[Request]:
+                       stopper: Callable[[], Any], stats: Any = None) -> Iterator[Request]:
     """Each prompt as a waiting Request, prefilled `group` prompts at a time on `runner` (its buffers reset for
-    each group) when the decoder asks for the next one; the prefill time is added to stats.prefill_time_s."""
+    each group) when the decoder asks for the next one; the prefill time is added to stats.prefill_time_s and the
+    forwards to stats.target_forwards (GenerationStats, if given)."""
     for g in range(0, len(prompts), group):
         part = prompts[g: g + group]
         t0 = time.perf_counter()
@@ -43,8 +44,9 @@ def prefilled_requests(runner: BatchRunner, prompts: Sequence[torch.Tensor], gro
         with runner.session():
             logits, features = runner.prefill(ids, mask)
         rows = runner.export_rows()
-        stats.prefill_time_s += time.perf_counter() - t0
-        stats.target_forwards += 1
+        if stats is not None:
+            stats.prefill_time_s += time.perf_counter() - t0
+            stats.target_forwards += 1
         for i, (prompt, row) in enumerate(zip(part, rows)):
             feats = None if features is None else features[i, ids.shape[1] - len(prompt):]
             yield Request(prompt, row["kv"], logits[i], feats, stopper())

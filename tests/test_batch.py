@@ -304,6 +304,10 @@ def test_batch_refusals():
     lookup = SpeculativeGenerator.from_pretrained(target, "prompt-lookup")
     with pytest.raises(NotImplementedError, match="one row at a time"):
         lookup.generate(ids, attention_mask=mask, max_new_tokens=2)
+    with pytest.raises(NotImplementedError, match="one row at a time"):
+        lookup.generate_many([ids[0]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="batch_size and prefill_group"):
+        gen.generate_many([ids[0]], max_new_tokens=2, batch_size=0)
     with pytest.raises(ValueError, match="streaming"):
         SpeculativeGenerator.from_pretrained(target, "self")
     with pytest.raises(ValueError, match="speculate must be"):
@@ -328,7 +332,7 @@ def test_grid_cell_methods_decode_the_same_rows():
     runner = BatchRunner(target, [])
     drafters = {"plain": PlainBatchDrafter(), "self": StreamingSelfDrafter(target, sink=2, window=8, gamma=3)}
     drafters["self_auto"] = drafters["self"]  # the same drafter with the switch (batch_switch.py)
-    rows, _ = prefill_rows(runner, prompts, room=16 + 4)
+    rows, _ = prefill_rows(runner, prompts)
     group = run_group(runner, drafters, rows, max_new=16, repeats=3)
     cell = summarise_cell([group], list(drafters), b=4, context=40)
     for name, m in cell["methods"].items():
