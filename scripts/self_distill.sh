@@ -7,10 +7,12 @@
 # 2. the same conversations with their original answers (only those the regeneration kept, so both arms hold the
 #    same prompts); both prepared with the same template and mask;
 # 3. two fine-tunes from HEAD with identical train settings (online features, same steps and batch tokens);
-# 4. tau of HEAD and both fine-tunes with the GPU default tree on all 80 MT-bench first turns (scripts/tau_table.py).
+# 4. tau of HEAD and both fine-tunes with the GPU default tree on all 80 MT-bench first turns (scripts/tau_table.py);
+# 5. the same on 80 held-out ShareGPT first turns (after the recipe's conversations).
 # Every stage skips what is already done and training resumes from its last checkpoint (re-run after a kill);
-# results land in RUN_DIR/tau_table.json. ARMS=parallel trains the two arms side by side, each on half of the
-# cores (logs in RUN_DIR/train-ARM.log), so that a run cut short leaves both at about the same step.
+# results land in RUN_DIR/tau_table.json and RUN_DIR/tau_table_heldout_sharegpt.json. ARMS=parallel trains the
+# two arms side by side, each on half of the cores (logs in RUN_DIR/train-ARM.log), so that a run cut short leaves
+# both at about the same step.
 set -euo pipefail
 HEAD=${1:?usage: scripts/self_distill.sh HEAD [RECIPE]}
 RECIPE=${2:-configs/smollm2-135m-selfdistill-cpu.yaml}
@@ -42,6 +44,7 @@ for arm in self original; do
       data.prepared_dir="$RUN/prepared-$arm"
 done
 train_arm() {
+  [ -d "$RUN/train-$1/final" ] && return 0  # trained already
   $PY -m train "$RECIPE" head.init_from="$HEAD" data.prepared_dir="$RUN/prepared-$1" train.output_dir="$RUN/train-$1"
 }
 if [ "${ARMS:-}" = parallel ]; then
@@ -57,3 +60,29 @@ else
 fi
 $PY scripts/tau_table.py --heads start="$HEAD" self="$RUN/train-self/final" original="$RUN/train-original/final" \
     --tree gpu --num-prompts 80 --max-new-tokens 64 --batch-size 8 --out "$RUN/tau_table.json"
+# 5. the same on 80 ShareGPT first turns that follow the recipe's conversations: the arms' own distribution,
+#    trained on by neither
+$PY - "$RECIPE" "$RUN" <<'PY'
+import json, os, sys
+from train.conversations import read_conversations
+from train.recipe import load_recipe
+recipe, run = load_recipe(sys.argv[1]), sys.argv[2]
+used = recipe.data.max_conversations
+if used is None:
+    sys.exit("data.max_conversations is unset: every conversation was used, none is left to hold out")
+convs = read_conversations(recipe.data.conversations, limit=used + 400, max_assistant_turns=1)
+seen = {c["id"] for c in convs[:used]}
+rows = []
+for c in convs[used:]:
+    user = next((m["content"] for m in c["messages"] if m["role"] == "user"), None)
+    if c["id"] not in seen and user and 20 < len(user) < 1500:
+        rows.append({"id": c["id"], "prompt": user})
+with open(f"{run}/heldout_sharegpt_prompts.jsonl.tmp", "w") as f:
+    for row in rows[:80]:
+        f.write(json.dumps(row, ensure_ascii=False) + "\n")
+os.replace(f"{run}/heldout_sharegpt_prompts.jsonl.tmp", f"{run}/heldout_sharegpt_prompts.jsonl")
+print(f"{min(len(rows), 80)} held-out ShareGPT first turns")
+PY
+$PY scripts/tau_table.py --heads start="$HEAD" self="$RUN/train-self/final" original="$RUN/train-original/final" \
+    --tree gpu --prompts "$RUN/heldout_sharegpt_prompts.jsonl" --num-prompts 80 --max-new-tokens 64 --batch-size 8 \
+    --out "$RUN/tau_table_heldout_sharegpt.json"
