@@ -25,17 +25,15 @@ mkdir -p "$RUN"
 $PY -m train.regenerate "$RECIPE"
 $PY - "$RECIPE" "$RUN" <<'PY'
 import json, sys
+from drafthead.utils import atomic_write_text
 from train.conversations import read_conversations
 from train.recipe import load_recipe
 recipe, run = load_recipe(sys.argv[1]), sys.argv[2]
 kept = {json.loads(line)["id"] for line in open(f"{run}/regenerated.jsonl")}
 convs = read_conversations(recipe.data.conversations, limit=recipe.data.max_conversations,
                            max_assistant_turns=recipe.data.max_assistant_turns)
-with open(f"{run}/original.jsonl.tmp", "w") as f:
-    for c in convs:
-        if c["id"] in kept:
-            f.write(json.dumps(c, ensure_ascii=False) + "\n")
-import os; os.replace(f"{run}/original.jsonl.tmp", f"{run}/original.jsonl")
+atomic_write_text(f"{run}/original.jsonl",
+                  "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in convs if c["id"] in kept))
 print(f"{len(kept)} conversations in both arms")
 PY
 for arm in self original; do
@@ -58,12 +56,16 @@ if [ "${ARMS:-}" = parallel ]; then
 else
   for arm in self original; do train_arm $arm; done
 fi
-$PY scripts/tau_table.py --heads start="$HEAD" self="$RUN/train-self/final" original="$RUN/train-original/final" \
-    --tree gpu --num-prompts 80 --max-new-tokens 64 --batch-size 8 --out "$RUN/tau_table.json"
+tau_table() {  # the three heads on 80 prompts, GPU default tree, 8 rows at a time
+  $PY scripts/tau_table.py --heads start="$HEAD" self="$RUN/train-self/final" original="$RUN/train-original/final" \
+      --tree gpu --num-prompts 80 --max-new-tokens 64 --batch-size 8 "$@"
+}
+tau_table --out "$RUN/tau_table.json"
 # 5. the same on 80 ShareGPT first turns that follow the recipe's conversations: the arms' own distribution,
 #    trained on by neither
 $PY - "$RECIPE" "$RUN" <<'PY'
-import json, os, sys
+import json, sys
+from drafthead.utils import atomic_write_text
 from train.conversations import read_conversations
 from train.recipe import load_recipe
 recipe, run = load_recipe(sys.argv[1]), sys.argv[2]
@@ -77,12 +79,8 @@ for c in convs[used:]:
     user = next((m["content"] for m in c["messages"] if m["role"] == "user"), None)
     if c["id"] not in seen and user and 20 < len(user) < 1500:
         rows.append({"id": c["id"], "prompt": user})
-with open(f"{run}/heldout_sharegpt_prompts.jsonl.tmp", "w") as f:
-    for row in rows[:80]:
-        f.write(json.dumps(row, ensure_ascii=False) + "\n")
-os.replace(f"{run}/heldout_sharegpt_prompts.jsonl.tmp", f"{run}/heldout_sharegpt_prompts.jsonl")
+atomic_write_text(f"{run}/heldout_sharegpt_prompts.jsonl",
+                  "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows[:80]))
 print(f"{min(len(rows), 80)} held-out ShareGPT first turns")
 PY
-$PY scripts/tau_table.py --heads start="$HEAD" self="$RUN/train-self/final" original="$RUN/train-original/final" \
-    --tree gpu --prompts "$RUN/heldout_sharegpt_prompts.jsonl" --num-prompts 80 --max-new-tokens 64 --batch-size 8 \
-    --out "$RUN/tau_table_heldout_sharegpt.json"
+tau_table --prompts "$RUN/heldout_sharegpt_prompts.jsonl" --out "$RUN/tau_table_heldout_sharegpt.json"
