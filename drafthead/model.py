@@ -26,6 +26,9 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 
 from .config import HeadConfig
 from .format import FROZEN_PREFIXES
+from .utils import cache_argument
+
+CACHE_ARGUMENT = cache_argument(LlamaAttention)  # the keyword the installed transformers takes the KV cache by
 
 
 class HeadKVCache:
@@ -147,7 +150,7 @@ class DraftHead(nn.Module):
         position_embeddings = self.rotary_emb(x, position_ids)
         if attention_mask is None and cache is not None and len(cache) > 0:
             raise ValueError("pass an explicit attention_mask when the cache holds earlier positions")
-        attn_out, _ = layer.self_attn(x, position_embeddings, attention_mask, past_key_values=cache,
+        attn_out, _ = layer.self_attn(x, position_embeddings, attention_mask, **{CACHE_ARGUMENT: cache},
                                       **attention_kwargs)
         h = residual + attn_out
         return h + layer.mlp(layer.post_attention_layernorm(h))

@@ -5,6 +5,7 @@ A leaf module but for drafthead.paths (cache_dir lives there, free of torch, for
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import tempfile
@@ -17,7 +18,8 @@ from safetensors.torch import save_file
 from .paths import cache_dir
 
 __all__ = ["DTYPES", "MIXED_PRECISION", "SAFETENSORS_DTYPES", "atomic_save_safetensors", "atomic_write_bytes",
-           "atomic_write_json", "atomic_write_text", "cache_dir", "dtype_name", "mixed_precision", "parse_dtype"]
+           "atomic_write_json", "atomic_write_text", "cache_argument", "cache_dir", "dtype_name", "mixed_precision",
+           "parse_dtype"]
 
 # ------------------------------------------------------------------------------------------------ files
 
@@ -94,6 +96,14 @@ def place_module(module: torch.nn.Module, device: str | torch.device | None = No
         owner = module.get_submodule(path)
         setattr(owner, attribute, buffer.to(getattr(owner, attribute).device))
     return module
+
+
+def cache_argument(module: torch.nn.Module | type) -> str:
+    """The keyword a transformers module's forward takes its KV cache by: `cache` where the installed release has
+    it (it renamed `past_key_values`, warns about the old name and removes it in 5.40), `past_key_values` before.
+    Resolve it once, outside compiled code: `model(..., **{runner.cache_argument: cache})`."""
+    forward = (module if isinstance(module, type) else type(module)).forward
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -41,6 +41,7 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import StaticCache
 
 from drafthead.masks import to_additive
+from drafthead.utils import cache_argument
 
 from .attention import PREFILL_NAME, attention_implementation, kv_length_kwargs
 from .slots import copy_rows
@@ -61,7 +62,7 @@ def forward_on_cache(model: nn.Module, cache: StaticCache, input_ids: torch.Tens
     extra = kv_length_kwargs(model, kv_length)
     return model(input_ids=input_ids, position_ids=position_ids,
                  attention_mask=to_additive(allowed.unsqueeze(1), cache.layers[0].keys.dtype),
-                 past_key_values=cache, use_cache=True, logits_to_keep=keep, **extra)
+                 **{cache_argument(model): cache}, use_cache=True, logits_to_keep=keep, **extra)
 
 
 class BatchRunner:
@@ -202,8 +203,8 @@ class BatchRunner:
         capacity)), attention computed for the leading `rows` rows only (0-dim tensor). Returns (logits (B, n, V),
         features (B, n, F) or None, argmax (B, n)): the compiled graph when compile is on."""
         logits, features = forward_with_features(self, lambda: self.model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=mask, past_key_values=self.cache,
-            use_cache=True, **kv_length_kwargs(self.model, None, rows)))
+            input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+            **{self.cache_argument: self.cache}, use_cache=True, **kv_length_kwargs(self.model, None, rows)))
         # the greedy choice inside the graph: a fused argmax beats eager bf16 argmax over the vocabulary
         return logits, features, logits.argmax(dim=-1)
 

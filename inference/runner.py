@@ -18,6 +18,7 @@ from transformers import DynamicCache
 
 from drafthead.capture import HiddenStateCapture
 from drafthead.masks import to_additive
+from drafthead.utils import cache_argument
 
 from .static_runner import DEFAULT_BUCKETS, StaticRunner, static_cache_supported
 
@@ -27,6 +28,7 @@ class TargetRunner:
 
     def __init__(self, model: nn.Module, feature_layers: list[int]):
         self.model = model
+        self.cache_argument = cache_argument(model)
         self.feature_layers = list(feature_layers)
         self.capture = HiddenStateCapture(model, self.feature_layers).attach()
         self.dtype = next(model.parameters()).dtype
@@ -62,12 +64,12 @@ class TargetRunner:
                 input_ids=input_ids,
                 position_ids=position_ids,
                 attention_mask=attention_mask,
-                past_key_values=self.cache,
+                **{self.cache_argument: self.cache},
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
             )
             features = cap.stacked(self.feature_layers) if self.feature_layers else None
-        self.cache = out.past_key_values
+        self.cache = getattr(out, self.cache_argument)
         return out.logits, features
 
     @torch.inference_mode()

@@ -36,6 +36,7 @@ import torch.nn as nn
 from transformers import StaticCache
 
 from drafthead.masks import to_additive
+from drafthead.utils import cache_argument
 
 from .attention import kv_length_kwargs
 from .batch_tree import BatchTree
@@ -65,6 +66,7 @@ class StreamingSelfDrafter:
             raise ValueError("weights='int8': the model has no linear layer an int8 copy fits (out_features a "
                              "multiple of 32, in_features of 16)")
         self.model = model
+        self.cache_argument = cache_argument(model)
         lm_head = model.get_output_embeddings()
         self.vocab_size = lm_head.weight.shape[0]  # the target's
         self.vocab = self.vocab_weight = None
@@ -147,8 +149,8 @@ class StreamingSelfDrafter:
         """One draft token per row (B, 1) over the draft buffers, at the slot the cache's length points to, attention
         computed for the leading `rows` rows only (0-dim tensor). Returns (last logits (B, V), or (B, K) over a draft
         vocabulary of K ids; the greedy target ids (B, 1)). The compiled graph when compile is on."""
-        inputs = dict(input_ids=tokens, position_ids=position_ids, attention_mask=mask, past_key_values=self.cache,
-                      use_cache=True, **kv_length_kwargs(self.model, kv_length, rows))
+        inputs = dict(input_ids=tokens, position_ids=position_ids, attention_mask=mask, use_cache=True,
+                      **{self.cache_argument: self.cache}, **kv_length_kwargs(self.model, kv_length, rows))
         if self.vocab is None:
             logits = self.model(**inputs, logits_to_keep=1).logits[:, -1]
             return logits, logits.argmax(dim=-1, keepdim=True)

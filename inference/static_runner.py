@@ -33,6 +33,7 @@ from transformers import StaticCache
 
 from drafthead.capture import HiddenStateCapture
 from drafthead.masks import buffer_mask, causal_allowed
+from drafthead.utils import cache_argument
 
 from .attention import attention_implementation, decoding_attention, kv_length_kwargs
 from .small_gemm import KERNEL_ROWS, FuseSiblingLinears, small_row_kernel, use_small_row_kernel
@@ -114,6 +115,7 @@ def attach_target(runner, model: nn.Module, feature_layers: list[int], refusal: 
     if reason is not None:
         raise NotImplementedError(f"{refusal} {reason}")
     runner.model = model
+    runner.cache_argument = cache_argument(model)
     runner.feature_layers = list(feature_layers)
     runner.capture = HiddenStateCapture(model, runner.feature_layers).attach() if runner.feature_layers else None
     runner.dtype = next(model.parameters()).dtype
@@ -220,8 +222,8 @@ class StaticRunner:
     def _model_forward(self, input_ids, position_ids, attention_mask, kv_length, logits_to_keep=0):
         """(logits, features) of the model over the buffers: `logits_to_keep` as transformers takes it."""
         return forward_with_features(self, lambda: self.model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, past_key_values=self.cache,
-            use_cache=True, logits_to_keep=logits_to_keep, **kv_length_kwargs(self.model, kv_length)))
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+            **{self.cache_argument: self.cache}, use_cache=True, logits_to_keep=logits_to_keep, **kv_length_kwargs(self.model, kv_length)))
 
     def _forward(self, input_ids, position_ids, attention_mask, kv_length):
         logits, features = self._model_forward(input_ids, position_ids, attention_mask, kv_length)

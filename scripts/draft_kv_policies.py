@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from drafthead.utils import atomic_write_json  # noqa: E402
+from drafthead.utils import atomic_write_json, cache_argument  # noqa: E402
 from inference.long_context import long_prompts  # noqa: E402
 
 NAME = "draft_kv_policies"
@@ -63,7 +63,7 @@ AttentionInterface.register(NAME, policy_attention)
 def forward(model, ids: list[int], first: int, cache, draft: bool = False, observe: bool = False) -> torch.Tensor:
     STATE.update(draft=draft, observe=observe, first=first)
     out = model(input_ids=torch.tensor([ids]), position_ids=torch.arange(first, first + len(ids))[None],
-                past_key_values=cache, use_cache=True)
+                **{cache_argument(model): cache}, use_cache=True)
     return out.logits[0].float()
 
 
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         cache = DynamicCache(config=model.config)
         model.set_attn_implementation("sdpa")
         with torch.inference_mode():
-            model(input_ids=torch.tensor([ids[: -args.observe]]), past_key_values=cache, use_cache=True)
+            model(input_ids=torch.tensor([ids[: -args.observe]]), **{cache_argument(model): cache}, use_cache=True)
         model.set_attn_implementation(NAME)
         with torch.inference_mode():
             first = int(forward(model, ids[-args.observe:], len(ids) - args.observe, cache, observe=True)[-1].argmax())

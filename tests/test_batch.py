@@ -4,6 +4,8 @@ streaming draft KV stays the same size however long the context."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from test_inference_greedy import TREES, near_bigram_target, oracle_head, random_head
@@ -67,6 +69,25 @@ def assert_rows_match(gen, target, rows, max_new: int, eos: int | None) -> None:
         n = out.stats.rows_new_tokens[i]
         assert out.sequences[i, : ids.shape[1]].tolist() == ids[i].tolist()
         assert out.sequences[i, ids.shape[1]: ids.shape[1] + n].tolist() == ref, f"row {i}"
+
+
+def test_every_forward_takes_the_kv_cache_by_the_installed_keyword():
+    """The engine passes the KV cache by the keyword the installed transformers takes (5.2x renamed
+    `past_key_values` to `cache`, warns about the old name and removes it in 5.40): no such warning from any method,
+    one row (both target runners) or a batch."""
+    target = tiny_model("llama")
+    rows = row_prompts(target.config.vocab_size)
+    ids, mask = left_padded(rows)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for gen in generators(target).values():
+            gen.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=[])
+        for runner in ("static", "eager"):
+            gen = SpeculativeGenerator(target, random_head(target).attach_target(target), tree=TREES["wide"],
+                                       runner=runner)
+            gen.generate(rows[1], max_new_tokens=6, eos_token_id=[])
+    deprecated = [str(w.message) for w in caught if "past_key_values" in str(w.message)]
+    assert not deprecated, deprecated[0]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])

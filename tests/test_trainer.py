@@ -216,6 +216,8 @@ def test_tau_counts_greedy_chains():
     stats = step_statistics({"preds": preds, "targets": targets, "valid": valid}, x)
     # t=0: 1; t=1: steps 0,1,2 -> 3; t=2: steps 0,1 (n_2 = 2 covers t<2 only) -> 2; t=3: step 0 -> 1
     assert stats["accepted"].item() == 1 + 3 + 2 + 1 and stats["chains"].item() == 4
+    # decoding starts at t=0 (1 accepted + the target's token), then at t=2 (2 + 1): 5 tokens in 2 forwards
+    assert stats["decode_tokens"].item() == 5 and stats["decode_forwards"].item() == 2
     assert stats["correct"].tolist() == [4, 2, 2] and stats["count"].tolist() == [4, 3, 2]
     # If the target's greedy token at t=1 (step 0) is 42 while the data says x_3 = 3, the unroll fed 3 to the
     # next step, which a greedy chain would not have: that chain stops after step 0 (1 instead of 3).
@@ -225,6 +227,20 @@ def test_tau_counts_greedy_chains():
     stats = step_statistics({"preds": preds_bad, "targets": targets_bad, "valid": valid}, x)
     assert stats["accepted"].item() == 3 + 1 + 2 + 1
     assert stats["correct"].tolist() == [4, 3, 2]
+
+
+def test_decode_walk_follows_the_forwards_decoding_would_make():
+    """tau_decode's walk: each forward jumps past what it accepted; a non-start position (a user turn) is skipped;
+    an unlucky start counts one token in one forward."""
+    from train.evaluate import decode_walk
+
+    accepted = torch.tensor([[0, 1, 5, 0, 2, 0, 0], [3, 3, 3, 3, 0, 0, 0]])
+    starts = torch.tensor([[1, 1, 1, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    # row 0: t0 -> 1 token, t1 -> 2 tokens (skips t2), t3 not a start, t4 -> 3 tokens: 6 in 3 forwards
+    # row 1: t0 -> 4 tokens, t4 -> 1, t5 -> 1, t6 not a start: 6 in 3 forwards
+    assert decode_walk(accepted, starts) == (12, 6)
+    # averaging every start alike (train.evaluate's tau) would say (1+2+6+3+1+1 + 4+4+4+4+1+1) / 12 = 2.67
+    assert decode_walk(accepted, torch.zeros_like(starts)) == (0, 0)
 
 
 def test_loader_resume_exact(tmp_path):
