@@ -33,6 +33,14 @@ def test_init_from_continues_a_trained_head(tmp_path):
         assert torch.equal(before["d2t"], after["d2t"]) and torch.equal(before["t2d"], after["t2d"])
         assert not torch.equal(before["fc.weight"], after["fc.weight"])  # and it trained
 
+    # max_steps=0 evaluates a head without training it: the trained head's own last validation
+    out = tmp_path / "eval-only"
+    run_train(recipe, f"head.init_from={start}", f"train.output_dir={out}", "train.max_steps=0")
+    only = json.loads((out / "eval_untrained.json").read_text())
+    assert only["eval_tau_decode"] == pytest.approx(trained_eval["eval_tau_decode"], abs=1e-6)
+    assert only["eval_tau"] == pytest.approx(trained_eval["eval_tau"], abs=1e-6)
+    assert torch.equal(head_tensors(out / "final")["fc.weight"], head_tensors(start)["fc.weight"])
+
 
 def test_init_from_refuses_other_aux_layers_and_kind(tmp_path):
     recipe = make_run(tmp_path, n_train=8, n_val=4, max_steps=2, eval_every=2, save_every=2)

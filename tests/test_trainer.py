@@ -98,6 +98,7 @@ def check_eval_tau(record: dict, ttt_steps: int) -> None:
     accs = [record[f"eval_acc_{i}"] for i in range(ttt_steps)]
     accepted = record["eval_tau"] - 1.0
     assert accs[0] - 1e-9 <= accepted <= min(sum(accs), ttt_steps * accs[0]) + 1e-9, (record["eval_tau"], accs)
+    assert 1.0 <= record["eval_tau_decode"] <= 1.0 + ttt_steps, record["eval_tau_decode"]
 
 
 def head_tensors(folder: Path) -> dict[str, torch.Tensor]:
