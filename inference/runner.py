@@ -69,7 +69,7 @@ class TargetRunner:
                 logits_to_keep=logits_to_keep,
             )
             features = cap.stacked(self.feature_layers) if self.feature_layers else None
-        self.cache = getattr(out, self.cache_argument)
+        self.cache = getattr(out, self.cache_argument)  # the output field carries the input keyword's name
         return out.logits, features
 
     @torch.inference_mode()

@@ -223,7 +223,8 @@ class StaticRunner:
         """(logits, features) of the model over the buffers: `logits_to_keep` as transformers takes it."""
         return forward_with_features(self, lambda: self.model(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-            **{self.cache_argument: self.cache}, use_cache=True, logits_to_keep=logits_to_keep, **kv_length_kwargs(self.model, kv_length)))
+            **{self.cache_argument: self.cache}, use_cache=True, logits_to_keep=logits_to_keep,
+            **kv_length_kwargs(self.model, kv_length)))
 
     def _forward(self, input_ids, position_ids, attention_mask, kv_length):
         logits, features = self._model_forward(input_ids, position_ids, attention_mask, kv_length)
