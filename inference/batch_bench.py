@@ -35,6 +35,7 @@ from drafthead.utils import place_module
 
 from .batch import Request, decode_batch
 from .batch_head import BatchHeadDrafter
+from .batch_lookup import BatchLookupBranch
 from .batch_queue import prefilled_requests
 from .batch_runner import BatchRunner
 from .batch_switch import SpeculationSwitch
@@ -56,9 +57,12 @@ BATCH_METHODS = {
     "head": "EAGLE head trees, the head's KV over the whole context",
     "head_window": "EAGLE head trees, the head's KV windowed (sink + window)",
 }
+LOOKUP = "+lookup"  # a method's name + this: its trees with the prompt-lookup branch (batch_lookup.py)
+BATCH_METHODS.update({name + LOOKUP: f"{name}, plus the prompt-lookup branch (--lookup-tokens, --lookup-nodes)"
+                      for name in ("self", "self_int8", "head", "head_window")})
 AUTO = "_auto"  # a method's name + this: the same drafter, speculating only on the steps where it pays
 BATCH_METHODS.update({name + AUTO: f"{name}, speculating only where its measured cost pays (batch_switch.py)"
-                      for name in ("self", "self_int8", "head", "head_window")})
+                      for name in ("self", "self_int8", "head", "head_window", "self_int8" + LOOKUP)})
 
 
 def peak_rss_reset() -> None:
@@ -91,11 +95,14 @@ def make_drafters(args, model, head, tokenizer=None) -> dict:
         vocab = frequent_tokens(tokenizer, model.get_output_embeddings().weight.shape[0], args.draft_vocab,
                                 args.vocab_corpus)
         drafters["self_vocab"] = StreamingSelfDrafter(model, **streaming, vocab=vocab)
-    if "self_int8" in {name.removesuffix(AUTO) for name in args.batch_methods}:
+    bases = {name.removesuffix(AUTO).removesuffix(LOOKUP) for name in args.batch_methods}
+    if "self_int8" in bases:
         drafters["self_int8"] = StreamingSelfDrafter(model, **streaming, weights="int8")
     if head is not None:
         drafters["head"] = BatchHeadDrafter(head, options)
         drafters["head_window"] = BatchHeadDrafter(head, options, sink=args.sink, window=args.window)
+    for name in bases & set(drafters):  # the same drafter object: its state is set afresh by every begin()
+        drafters[name + LOOKUP] = BatchLookupBranch(drafters[name], args.lookup_tokens, args.lookup_nodes)
     return {name: drafters[name.removesuffix(AUTO)] for name in args.batch_methods
             if name.removesuffix(AUTO) in drafters}
 
@@ -135,12 +142,15 @@ def run_group(runner: BatchRunner, drafters: dict, rows: list[dict], max_new: in
         stoppers = [Stopper(set(), [], None, new_tokens) for _ in range(b)]
         queue = (Request(row["ids"], row["kv"], row["logits"], row["features"], Stopper(set(), [], None, new_tokens))
                  for row in waiting)
+        counts = getattr(drafter, "proposed", 0), getattr(drafter, "accepted", 0)  # a lookup branch's nodes
         t0 = time.perf_counter()
         with runner.session(), torch.inference_mode():
             new = decode_batch(runner, drafter, ids, mask, params, stoppers, None, stats, lambda: None,
                                prefilled=prefilled, waiting=queue if waiting else None,
                                switch=SpeculationSwitch() if name.endswith(AUTO) else None)
-        return new, stats, time.perf_counter() - t0
+        total = time.perf_counter() - t0
+        stats.lookup = [getattr(drafter, "proposed", 0) - counts[0], getattr(drafter, "accepted", 0) - counts[1]]
+        return new, stats, total
 
     for name, drafter in drafters.items():
         # warm-up: two steps (a compiled drafter compiles its step here), timed apart from the decode
@@ -154,7 +164,7 @@ def run_group(runner: BatchRunner, drafters: dict, rows: list[dict], max_new: in
                                           draft_s=stats.draft_time_s, admit_s=stats.admit_time_s,
                                           verify_s=stats.verify_time_s, plain_steps=stats.plain_steps,
                                           busy_steps=stats.busy_steps, busy_tokens=stats.busy_tokens,
-                                          busy_s=stats.busy_time_s))
+                                          busy_s=stats.busy_time_s, lookup=stats.lookup))
     for result in out.values():  # the run of median decode time stands for the method (greedy: same tokens)
         runs = sorted(result.pop("runs"), key=lambda r: r["decode_s"])
         result.update(runs[(len(runs) - 1) // 2], decode_s_runs=[round(r["decode_s"], 3) for r in runs])
@@ -188,6 +198,8 @@ def summarise_cell(groups: list[dict], names: list[str], b: int, context: int) -
                  # tokens_per_s adds to it
                  busy_steps=busy_steps, busy_tokens_per_s=sum(g["busy_tokens"] for g in runs) / max(busy_s, 1e-9),
                  busy_step_ms=1000 * busy_s / max(busy_steps, 1))
+        if name.removesuffix(AUTO).endswith(LOOKUP):  # the lookup branch's nodes: added to trees, accepted
+            m["lookup_proposed"], m["lookup_accepted"] = (sum(g["lookup"][i] for g in runs) for i in (0, 1))
         if name != "plain" and "plain" in names:
             m["greedy_match"] = all(r == p for g in groups for r, p in zip(g[name]["rows"], g["plain"]["rows"]))
         cell["methods"][name] = m
@@ -219,6 +231,7 @@ def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
               "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
               "tree": str(tree_options(args.tree)), "compile": args.compile, "sink": args.sink, "window": args.window,
               "gamma": args.gamma, "repeats": args.repeats, "continuous": args.continuous,
+              "lookup_tokens": args.lookup_tokens, "lookup_nodes": args.lookup_nodes,
               "draft_vocab": args.draft_vocab if "self_vocab" in names else None,
               "methods": {n: BATCH_METHODS[n] for n in names}, "cells": []}
     for context in args.contexts:
@@ -300,6 +313,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of: " + "; ".join(f"{k}: {v}" for k, v in BATCH_METHODS.items()))
     g.add_argument("--sink", type=int, default=4, help="attention-sink positions of a streaming draft KV")
     g.add_argument("--window", type=int, default=512, help="recent positions of a streaming draft KV")
+    g.add_argument("--lookup-tokens", type=int, default=4,
+                   help="the +lookup methods: tokens of each row's prompt-lookup chain")
+    g.add_argument("--lookup-nodes", type=int, default=1,
+                   help="the +lookup methods: at most this many of the chain's tokens added to a row's tree (where it "
+                        "leaves the drafter's nodes); every row's tree grows by this many")
     g.add_argument("--task", default="continue", choices=["continue", "summarise"])
     g.add_argument("--repeats", type=int, default=1,
                    help="decode each batch this many times, the methods in turn; report each method's median run")

@@ -40,6 +40,7 @@ from .draft_model import DraftModelDrafter, load_draft_model
 from .draft_vocab import assistant_token_counts, default_corpus, frequent_tokens
 from .drafter import Drafter, PlainDrafter
 from .head_runner import head_runner_for
+from .batch_lookup import BatchLookupBranch
 from .hybrid import HybridDrafter
 from .loading import load_causal_lm
 from .prompt_lookup import PromptLookupDrafter
@@ -165,8 +166,9 @@ class Stopper:
 class SpeculativeGenerator:
     """A frozen target plus a drafter (drafter.py); see the module docstring.
 
-    draft: a DraftHead (EAGLE-2 dynamic tree with the `tree` options; hybrid=True adds the prompt-lookup branch)
-    or any drafter.Drafter (PromptLookupDrafter, DraftModelDrafter, ...). tree="none" (draft ignored, may be None):
+    draft: a DraftHead (EAGLE-2 dynamic tree with the `tree` options; hybrid=True adds the prompt-lookup branch,
+    also to a StreamingSelfDrafter's chains; in a batch at most `lookup_nodes` lookup tokens a row) or any
+    drafter.Drafter (PromptLookupDrafter, DraftModelDrafter, ...). tree="none" (draft ignored, may be None):
     plain greedy/sampled decoding on the same runner (the baseline that separates what the runner buys from what
     speculation buys).
 
@@ -184,8 +186,9 @@ class SpeculativeGenerator:
 
     def __init__(self, target: nn.Module, draft: DraftHead | Drafter | None, tokenizer: Any = None,
                  tree: str | TreeOptions | None = "cpu", runner: Any = "auto", compile: bool | str = "auto",
-                 hybrid: bool = False, lookup_tokens: int = 10, draft_kv: str = "full", sink: int = 4,
-                 window: int = 512, speculate: str | SpeculationSwitch = "always", **tree_overrides: int | None):
+                 hybrid: bool = False, lookup_tokens: int = 10, lookup_nodes: int = 1, draft_kv: str = "full",
+                 sink: int = 4, window: int = 512, speculate: str | SpeculationSwitch = "always",
+                 **tree_overrides: int | None):
         self.target = target.eval()
         self.tokenizer = tokenizer
         self.device = next(target.parameters()).device
@@ -205,8 +208,6 @@ class SpeculativeGenerator:
         self.batch_drafter = None  # drafts for a batch (batch_tree.py); None where only one row is supported
         # always the batched path: self-speculation and windowed draft KV exist only there (B = 1 is a batch)
         self.batch_only = draft_kv == "streaming" or isinstance(draft, StreamingSelfDrafter)
-        if self.batch_only and hybrid:
-            raise ValueError("hybrid drafting takes draft_kv='full'")
         if tree == "none":  # plain decoding, whatever the draft
             self.drafter = PlainDrafter()
             self.batch_drafter = PlainBatchDrafter()
@@ -221,7 +222,6 @@ class SpeculativeGenerator:
             self.batch_drafter = BatchHeadDrafter(self.head, self.options, **streaming)
             if hybrid:
                 self.drafter = HybridDrafter(self.drafter, PromptLookupDrafter(lookup_tokens, min_ngram=2))
-                self.batch_drafter = None  # the prompt-lookup branch drafts one row at a time
         elif draft is None:
             raise ValueError("a drafter is needed unless tree='none' (plain decoding)")
         elif isinstance(draft, Drafter):
@@ -230,8 +230,10 @@ class SpeculativeGenerator:
                 raise ValueError(f"draft_kv='streaming' applies to a head or to 'self', not to {draft.name}")
         else:
             raise TypeError(f"draft must be a DraftHead, a Drafter or None, got {type(draft).__name__}")
-        if hybrid and not isinstance(self.drafter, HybridDrafter):
-            raise ValueError("hybrid=True adds prompt lookup to a draft head; this draft is not a head")
+        if hybrid and not (isinstance(self.drafter, HybridDrafter) or isinstance(draft, StreamingSelfDrafter)):
+            raise ValueError("hybrid=True adds prompt lookup to a draft head or to 'self'; this draft is neither")
+        if hybrid and self.batch_drafter is not None:  # batches: each row's tree grows by `lookup_nodes` nodes
+            self.batch_drafter = BatchLookupBranch(self.batch_drafter, lookup_tokens, lookup_nodes)
         self.plain = isinstance(self.drafter, PlainDrafter)
         if self._runner is not None and not self.batch_only:
             check_tree_fits(self.drafter, self._runner)
@@ -301,6 +303,7 @@ class SpeculativeGenerator:
         hybrid: bool = False,
         gamma: int = 4,
         lookup_tokens: int = 10,
+        lookup_nodes: int = 1,
         draft_kv: str = "full",
         sink: int = 4,
         window: int = 512,
@@ -313,15 +316,17 @@ class SpeculativeGenerator:
         "prompt-lookup" (chains of up to `lookup_tokens` tokens copied from the context); "self" (the target drafts
         chains of `gamma` tokens for itself with a StreamingLLM KV of `sink` + `window` positions: MagicDec,
         self_draft.py); a Drafter; or None with tree="none". hybrid=True adds the prompt-lookup branch to a head's
-        tree. draft_kv="streaming" gives a head the same sink + window KV (the draft for long contexts). Raises
-        drafthead.HeadMismatchError when a head was made for another target, TokenizerMismatchError when a draft
-        model uses another tokenizer. draft_vocab=N: a head or the self-draft proposes only the N tokens that
-        ShareGPT's assistant turns (the asset cache, draft_vocab.py) use most (a head's lm_head rows are pruned;
-        the self-draft computes only those rows of the target's lm_head); output stays lossless. speculate="auto":
-        batched decoding (B > 1, self-speculation, a streaming draft KV) speculates only on the steps where its
-        measured cost pays, taking plain steps on the others (batch_switch.py); "always" speculates on every step.
-        draft_weights="int8" (self-speculation): the draft multiplies with an int8 copy of the target's weights
-        (half the bytes a draft step reads; the target verifies with its own: still lossless)."""
+        tree or to the self-draft's chains (in a batch, at most `lookup_nodes` of its `lookup_tokens` join each
+        row's tree, where the chain leaves the drafter's nodes: batch_lookup.py). draft_kv="streaming" gives a head
+        the same sink + window KV (the draft for long contexts). Raises drafthead.HeadMismatchError when a head
+        was made for another target, TokenizerMismatchError when a draft model uses another tokenizer.
+        draft_vocab=N: a head or the self-draft proposes only the N tokens that ShareGPT's assistant turns (the asset
+        cache, draft_vocab.py) use most (a head's lm_head rows are pruned; the self-draft computes only those rows of
+        the target's lm_head); output stays lossless. speculate="auto": batched decoding (B > 1, self-speculation, a
+        streaming draft KV) speculates only on the steps where its measured cost pays, taking plain steps on the others
+        (batch_switch.py); "always" speculates on every step. draft_weights="int8" (self-speculation): the draft
+        multiplies with an int8 copy of the target's weights (half the bytes a draft step reads; the target verifies
+        with its own: still lossless)."""
         dtype = parse_dtype(dtype)
         model, tokenizer = load_causal_lm(target, dtype, tokenizer)
         model = place_module(model, device, dtype).eval()
@@ -357,8 +362,8 @@ class SpeculativeGenerator:
             raise ValueError("draft_vocab applies to a head or to 'self', not to "
                              f"{getattr(draft, 'name', type(draft).__name__)}")
         return cls(model, draft, tokenizer, tree, runner=runner, compile=compile, hybrid=hybrid,
-                   lookup_tokens=lookup_tokens, draft_kv=draft_kv, sink=sink, window=window, speculate=speculate,
-                   depth=depth, top_k=top_k, total_tokens=total_tokens)
+                   lookup_tokens=lookup_tokens, lookup_nodes=lookup_nodes, draft_kv=draft_kv, sink=sink,
+                   window=window, speculate=speculate, depth=depth, top_k=top_k, total_tokens=total_tokens)
 
     @torch.inference_mode()
     def generate(

@@ -14,6 +14,7 @@ from tiny import tiny_model
 
 from inference import SamplingParams, SpeculativeGenerator
 from inference.attention import prefix_attention
+from inference.batch_lookup import BatchLookupBranch
 from inference.batch_runner import BatchRunner
 from inference.batch_switch import SpeculationSwitch
 from inference.self_draft import StreamingSelfDrafter
@@ -41,7 +42,7 @@ def row_prompts(vocab: int, seed: int = 0) -> list[torch.Tensor]:
 
 def generators(target, window: int = 4) -> dict[str, SpeculativeGenerator]:
     """Every batched method on one target: plain, head trees (full and windowed KV), self-speculation (with the
-    target's whole vocabulary and with a draft vocabulary)."""
+    target's whole vocabulary and with a draft vocabulary), and both with the prompt-lookup branch."""
     oracle = oracle_head(target).attach_target(target)
     return {
         "plain": SpeculativeGenerator(target, None, tree="none"),
@@ -56,6 +57,11 @@ def generators(target, window: int = 4) -> dict[str, SpeculativeGenerator]:
         # drafting with int8 copies of the target's weights (float32 here: small_gemm's reference path)
         "self_int8": SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=2, window=window, gamma=3,
                                                                        weights="int8")),
+        # each row's prompt-lookup chain merged into its tree (batch_lookup.py), two nodes a row
+        "self_lookup": SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=2, window=window, gamma=3),
+                                            hybrid=True, lookup_tokens=4, lookup_nodes=2),
+        "head_lookup": SpeculativeGenerator(target, random_head(target).attach_target(target), tree=TREES["wide"],
+                                            hybrid=True, lookup_tokens=4, lookup_nodes=2),
     }
 
 
@@ -182,7 +188,9 @@ def test_generate_many_equals_each_prompt_alone(arch):
         assert out.new_tokens == [a[:e] for a, e in zip(alone, ends)], name
         assert out.stats.rows_new_tokens == ends and out.stats.new_tokens == sum(ends), name
         assert out.stats.admit_time_s > 0 and out.stats.busy_steps > 0, name
-        if not gen.batch_only:  # the batched trees are the single-row trees: each prompt verified as often alone
+        # the batched trees are the single-row trees: each prompt verified as often alone (but the lookup branch: one
+        # row alone takes the single-sequence hybrid's whole chain, a batch `lookup_nodes` of it)
+        if not gen.batch_only and not isinstance(gen.batch_drafter, BatchLookupBranch):
             alone_steps = [len(gen.generate(p[None], max_new_tokens=20, eos_token_id=eos).stats.accept_lengths)
                            for p in prompts]
             assert out.stats.rows_steps == alone_steps, name
@@ -266,6 +274,9 @@ def test_batch_sampling_follows_the_target_per_row():
                 SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=1, window=2, gamma=2,
                                                                   vocab=torch.tensor([2, 3, 5, 6, 8, 9, 11, 12, 14]))),
                 SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=1, window=2, gamma=2, weights="int8")),
+                # the lookup branch's nodes are point masses beside the self-draft's sampled chain
+                SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=1, window=2, gamma=2), hybrid=True,
+                                     lookup_tokens=3, lookup_nodes=2),
                 SpeculativeGenerator(target, oracle_head(target).attach_target(target), tree=TREES["wide"])):
         g = torch.Generator().manual_seed(4)
         counts = [{} for _ in rows]
@@ -327,6 +338,8 @@ def test_batch_refusals():
         lookup.generate(ids, attention_mask=mask, max_new_tokens=2)
     with pytest.raises(NotImplementedError, match="one row at a time"):
         lookup.generate_many([ids[0]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="draft head or to 'self'"):
+        SpeculativeGenerator.from_pretrained(target, "prompt-lookup", hybrid=True)
     with pytest.raises(ValueError, match="batch_size and prefill_group"):
         gen.generate_many([ids[0]], max_new_tokens=2, batch_size=0)
     with pytest.raises(ValueError, match="streaming"):

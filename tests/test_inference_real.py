@@ -106,8 +106,8 @@ def test_smollm2_every_drafter_greedy_lossless(smollm2, smollm2_path, head_dir, 
 @pytest.mark.real
 def test_smollm2_batch_greedy_lossless(smollm2, smollm2_path, head_dir):
     """fp32, 4 chat prompts of different lengths in one left-padded batch: plain batched decoding, head trees (full
-    and windowed KV) and StreamingLLM self-speculation (drafting with its own weights, and with int8 copies) each
-    give every row exactly its own greedy output."""
+    and windowed KV) and StreamingLLM self-speculation (drafting with its own weights, and with int8 copies, also
+    with the prompt-lookup branch) each give every row exactly its own greedy output."""
     from test_batch import left_padded
     from transformers import AutoTokenizer
 
@@ -123,7 +123,10 @@ def test_smollm2_batch_greedy_lossless(smollm2, smollm2_path, head_dir):
     gens = {"plain": SpeculativeGenerator(smollm2, None, tree="none"),
             "self": SpeculativeGenerator(smollm2, StreamingSelfDrafter(smollm2, sink=4, window=16, gamma=3)),
             "self_int8": SpeculativeGenerator(smollm2, StreamingSelfDrafter(smollm2, sink=4, window=16, gamma=3,
-                                                                            weights="int8"))}
+                                                                            weights="int8")),
+            "self_int8_lookup": SpeculativeGenerator(
+                smollm2, StreamingSelfDrafter(smollm2, sink=4, window=16, gamma=3, weights="int8"), hybrid=True,
+                lookup_tokens=4, lookup_nodes=1)}
     for kv in ("full", "streaming"):
         gens[f"head_{kv}"] = SpeculativeGenerator.from_pretrained(smollm2, head_dir, tree="4,4,8", draft_kv=kv,
                                                                   window=16)
