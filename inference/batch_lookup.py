@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .batch_tree import BatchTree
+from .hybrid import hang_chain
 from .sampling import SamplingParams
 
 
@@ -128,19 +129,7 @@ class BatchLookupBranch:
         tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
         for k, chain in enumerate(chains):
             row_tokens, row_parents, row_depths = tokens[k], parents[k], depths[k]
-            child = {(p, t): i for i, (p, t) in enumerate(zip(row_parents, row_tokens)) if i > 0}
-            node = 0
-            for token in chain:
-                found = child.get((node, token))
-                if found is None:
-                    if len(row_tokens) == size:  # the row's budget of new nodes is spent
-                        break
-                    found = len(row_tokens)
-                    row_tokens.append(token)
-                    row_parents.append(node)
-                    row_depths.append(row_depths[node] + 1)
-                    child[(node, token)] = found
-                node = found
+            hang_chain(row_tokens, row_parents, row_depths, chain, limit=size)
             self._added.append(len(row_tokens) - n)
             first = 1 if n > 1 else 0  # padding: copies of the root's first child (or of the root, alone)
             while len(row_tokens) < size:

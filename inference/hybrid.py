@@ -19,6 +19,28 @@ from .tree import DraftTree, TreeDrafter
 HEAD, LOOKUP = 1, 2  # origin bits
 
 
+def hang_chain(tokens: list[int], parents: list[int], depths: list[int], chain: list[int],
+               limit: int | None = None) -> list[int]:
+    """Walk `chain` down from the root of the tree (tokens, parents, depths: lists, parents before children),
+    sharing the nodes it already has and appending the rest in place, until the tree has `limit` nodes. Returns the
+    nodes the chain went through."""
+    child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i > 0}
+    node, path = 0, []
+    for token in chain:
+        found = child.get((node, token))
+        if found is None:
+            if limit is not None and len(tokens) >= limit:
+                break
+            found = len(tokens)
+            tokens.append(token)
+            parents.append(node)
+            depths.append(depths[node] + 1)
+            child[(node, token)] = found
+        path.append(found)
+        node = found
+    return path
+
+
 def merge_chain(tree: DraftTree, chain: list[int]) -> DraftTree:
     """`tree` (origin bit HEAD on drafted nodes) with `chain` hung from its root, sharing the nodes it already
     has. Nodes keep parents-before-children order: new nodes are appended."""
@@ -27,19 +49,10 @@ def merge_chain(tree: DraftTree, chain: list[int]) -> DraftTree:
     parents = tree.parents.tolist()
     depths = tree.depths.tolist()
     origin = [0] + [HEAD] * (len(tokens) - 1)
-    child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i > 0}
-    node = 0
-    for token in chain:
-        found = child.get((node, token))
-        if found is None:
-            found = len(tokens)
-            tokens.append(token)
-            parents.append(node)
-            depths.append(depths[node] + 1)
-            origin.append(0)
-            child[(node, token)] = found
-        origin[found] |= LOOKUP
-        node = found
+    path = hang_chain(tokens, parents, depths, chain)
+    origin += [0] * (len(tokens) - len(origin))
+    for node in path:
+        origin[node] |= LOOKUP
     if len(tokens) == tree.size:  # nothing new: only the origins change
         tree.origin = torch.tensor(origin, device=device)
         return tree
