@@ -11,9 +11,8 @@ with copies of its root's first child, which can never change what is accepted (
 first in index order, is kept; sampling: a copy is one more point-mass proposal against the residual, which is
 exact for any sequence of proposals, and is always rejected when its token has already been rejected).
 
-The n-gram search is an index per row (each n-gram of 1..max_ngram tokens -> the start of its latest occurrence that
-has a token after it), extended as tokens are committed: a lookup costs a few dictionary reads however long the
-context is, where a scan of an 8k-token context per row and step would cost milliseconds in Python.
+The n-gram search is prompt_lookup.NgramIndex per row, extended as tokens are committed: a lookup costs a few
+dictionary reads however long the context is.
 """
 
 from __future__ import annotations
@@ -22,39 +21,8 @@ import torch
 
 from .batch_tree import BatchTree
 from .hybrid import hang_chain
+from .prompt_lookup import NgramIndex
 from .sampling import SamplingParams
-
-
-class NgramIndex:
-    """One row's tokens with the latest start of every n-gram (1 <= n <= max_ngram) that a token follows."""
-
-    def __init__(self, tokens: list[int], max_ngram: int):
-        self.max_ngram = max_ngram
-        self.tokens: list[int] = list(tokens)
-        self.latest: dict[tuple[int, ...], int] = {}
-        seq, length = self.tokens, len(self.tokens)
-        for n in range(1, max_ngram + 1):  # in bulk (later starts overwrite): 8k tokens ~3.4 ms, half of extend()
-            grams = zip(*(seq[i: length - n + i] for i in range(n)))  # the n-grams starting at 0 .. length-n-1
-            self.latest.update(zip(grams, range(length - n)))
-
-    def extend(self, tokens: list[int]) -> None:
-        """Append tokens; every n-gram that now has a token after it points to its newest start."""
-        seq = self.tokens
-        for token in tokens:
-            end = len(seq)  # the position `token` takes: the n-grams ending just before it are now followed
-            for n in range(1, min(self.max_ngram, end) + 1):
-                self.latest[tuple(seq[end - n: end])] = end - n
-            seq.append(token)
-
-    def continuation(self, num_tokens: int, min_ngram: int = 1) -> list[int]:
-        """What followed the latest earlier occurrence of the last n tokens (longest n first), at most num_tokens;
-        [] if none. The same as prompt_lookup.lookup_continuation on these tokens."""
-        seq = self.tokens
-        for n in range(min(self.max_ngram, len(seq) - 1), min_ngram - 1, -1):
-            start = self.latest.get(tuple(seq[len(seq) - n:]))
-            if start is not None:
-                return seq[start + n: start + n + num_tokens]
-        return []
 
 
 class BatchLookupBranch:

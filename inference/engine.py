@@ -32,6 +32,7 @@ from drafthead.masks import causal_allowed
 
 from .batch import decode_batch
 from .batch_head import BatchHeadDrafter
+from .batch_lookup import BatchLookupBranch
 from .batch_runner import BatchRunner
 from .batch_queue import left_pad, prefilled_requests
 from .batch_switch import SpeculationSwitch
@@ -40,7 +41,6 @@ from .draft_model import DraftModelDrafter, load_draft_model
 from .draft_vocab import assistant_token_counts, default_corpus, frequent_tokens
 from .drafter import Drafter, PlainDrafter
 from .head_runner import head_runner_for
-from .batch_lookup import BatchLookupBranch
 from .hybrid import HybridDrafter
 from .loading import load_causal_lm
 from .prompt_lookup import PromptLookupDrafter

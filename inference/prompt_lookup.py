@@ -29,6 +29,39 @@ def lookup_continuation(context: list[int], num_tokens: int, max_ngram: int = 3,
     return []
 
 
+class NgramIndex:
+    """One row's tokens with the latest start of every n-gram (1 <= n <= max_ngram) that a token follows."""
+
+    def __init__(self, tokens: list[int], max_ngram: int):
+        self.max_ngram = max_ngram
+        self.tokens: list[int] = list(tokens)
+        self.latest: dict[tuple[int, ...], int] = {}
+        seq, length = self.tokens, len(self.tokens)
+        for n in range(1, max_ngram + 1):  # in bulk (later starts overwrite): 8k tokens ~3.4 ms, half of extend()
+            grams = zip(*(seq[i: length - n + i] for i in range(n)))  # the n-grams starting at 0 .. length-n-1
+            self.latest.update(zip(grams, range(length - n)))
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append tokens; every n-gram that now has a token after it points to its newest start."""
+        seq = self.tokens
+        for token in tokens:
+            end = len(seq)  # the position `token` takes: the n-grams ending just before it are now followed
+            for n in range(1, min(self.max_ngram, end) + 1):
+                self.latest[tuple(seq[end - n: end])] = end - n
+            seq.append(token)
+
+    def continuation(self, num_tokens: int, min_ngram: int = 1) -> list[int]:
+        """What followed the latest earlier occurrence of the last n tokens (longest n first), at most num_tokens;
+        [] if none. The same as lookup_continuation on these tokens, without a scan of the context: where a scan
+        of an 8k-token context costs milliseconds in Python a step, this is a few dictionary reads."""
+        seq = self.tokens
+        for n in range(min(self.max_ngram, len(seq) - 1), min_ngram - 1, -1):
+            start = self.latest.get(tuple(seq[len(seq) - n:]))
+            if start is not None:
+                return seq[start + n: start + n + num_tokens]
+        return []
+
+
 class PromptLookupDrafter:
     """A drafter.Drafter proposing the prompt-lookup chain (see the module docstring)."""
 
@@ -41,8 +74,7 @@ class PromptLookupDrafter:
             raise ValueError(f"need num_tokens >= 1 and 1 <= min_ngram <= max_ngram, got {num_tokens}, "
                              f"{min_ngram}, {max_ngram}")
         self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
-        self.context: list[int] = []  # every token before the current root
-        self.root: int | None = None
+        self.index = NgramIndex([], max_ngram)  # every token so far, the current root included
 
     def tree_sizes(self) -> list[int]:
         return list(range(1, self.num_tokens + 2))
@@ -54,17 +86,15 @@ class PromptLookupDrafter:
         return contextlib.nullcontext()
 
     def begin(self, input_ids: torch.Tensor, features, max_length: int) -> None:
-        self.context = input_ids[0].tolist()
-        self.root = None
+        self.index = NgramIndex(input_ids[0].tolist(), self.max_ngram)
 
     def continuation(self, root: torch.Tensor) -> list[int]:
         """The lookup chain after `root` (which joins the context now)."""
-        self.root = int(root.view(-1)[0])
-        return lookup_continuation(self.context + [self.root], self.num_tokens, self.max_ngram, self.min_ngram)
+        self.index.extend([int(root.view(-1)[0])])
+        return self.index.continuation(self.num_tokens, self.min_ngram)
 
     def propose(self, root: torch.Tensor, params=None, generator=None) -> DraftTree:
         return chain_tree(root, self.continuation(root), origin=1)
 
     def accept(self, path, new_tokens: torch.Tensor, features) -> None:
-        self.context.append(self.root)
-        self.context += new_tokens[:-1].tolist()
+        self.index.extend(new_tokens[:-1].tolist())

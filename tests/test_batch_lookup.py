@@ -12,9 +12,9 @@ from test_batch import assert_rows_match, left_padded, row_prompts
 from test_inference_greedy import TREES, near_bigram_target, random_head
 
 from inference import SpeculativeGenerator
-from inference.batch_lookup import BatchLookupBranch, NgramIndex
+from inference.batch_lookup import BatchLookupBranch
 from inference.batch_tree import BatchTree
-from inference.prompt_lookup import lookup_continuation
+from inference.prompt_lookup import NgramIndex, lookup_continuation
 from inference.self_draft import StreamingSelfDrafter
 
 torch.set_num_threads(1)
