@@ -44,7 +44,6 @@ from drafthead.masks import to_additive
 from drafthead.utils import cache_argument
 
 from .attention import PREFILL_NAME, attention_implementation, kv_length_kwargs
-from .slots import copy_rows
 from .small_gemm import BATCH_KERNEL_ROWS, live_entries
 from .static_runner import (attach_target, buffer_capacity, compile_step, decoding_session, forward_with_features,
                             release_step, set_write_slot, static_cache)
@@ -137,11 +136,17 @@ class BatchRunner:
         only the rows whose place changes are copied (so keep the rows that stay where they are)."""
         order = rows.tolist()
         moved = [j for j, r in enumerate(order) if r != j]
-        if moved:
+        kv = self.cache.drafthead_kv  # (2, layers, rows, kv_heads, slots, head_dim): every layer at once
+        if set(moved).isdisjoint(order[j] for j in moved):  # no row read after it is overwritten (decode_batch's
+            # moves: rows from the back into the places of rows that stopped): each row's used slots copied in
+            # place, where the gathered copy below moves every slot twice (8 rows × 8k, 30 layers: ~33 -> ~8 ms)
+            for j in moved:
+                used = slice(int(self.start[order[j]]), int(self.length[order[j]]))
+                kv[:, :, j, :, used].copy_(kv[:, :, order[j], :, used])
+        else:
             dst = torch.tensor(moved, device=self.device)
             src = torch.tensor([order[j] for j in moved], device=self.device)
-            kv = self.cache.drafthead_kv  # (2, layers, rows, ...): every layer at once, gathered first
-            kv[:, :, dst] = kv[:, :, src]
+            kv[:, :, dst] = kv[:, :, src]  # gathered first
         self.start, self.length = self.start[rows], self.length[rows]
 
     def snapshot(self) -> dict:
@@ -287,7 +292,9 @@ class BatchRunner:
         valid = j[None, :] < counts[:, None]
         src = torch.where(valid, self.tree_at + pad_sequence(paths, batch_first=True).to(self.device), self.scratch)
         dst = torch.where(valid, self.length[:, None] + j, self.scratch)
-        for keys, values in self.layers():
-            copy_rows(keys, src, dst)
-            copy_rows(values, src, dst)
+        # one gather and one write along the slots for every layer at once (the buffers keep all layers in one
+        # tensor, static_cache), where a copy per layer and tensor took 120 advanced-indexing ops
+        kv = self.cache.drafthead_kv  # (2, layers, rows, kv_heads, slots, head_dim)
+        rows = torch.arange(self.batch, device=self.device)[:, None]
+        kv[:, :, rows, :, dst] = kv[:, :, rows, :, src]
         self.length = self.length + counts

@@ -212,5 +212,11 @@ class StreamingSelfDrafter:
         compiled graph)."""
         pad = rows[torch.arange(self.slot_pos.shape[0], device=rows.device).clamp_max(rows.shape[0] - 1)]
         kv = self.cache.drafthead_kv  # (2, layers, rows, ...): every layer at once
-        kv.copy_(kv.index_select(2, pad))
+        order = rows.tolist()
+        moved = [j for j, r in enumerate(order) if r != j]
+        if set(moved).isdisjoint(order[j] for j in moved):  # rows from the back into freed places: copied in place
+            for j in moved:  # (the padding rows after them are never read: their old entries stay)
+                kv[:, :, j].copy_(kv[:, :, order[j]])
+        else:
+            kv.copy_(kv.index_select(2, pad))
         self.slot_pos = self.slot_pos[pad]

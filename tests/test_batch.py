@@ -248,6 +248,31 @@ def test_attention_skips_rows_not_in_use():
     assert some[2:].abs().sum() == 0 and full[2:].abs().sum() > 0
 
 
+@pytest.mark.parametrize("keep", [[0, 3, 2], [2, 0, 1], [3]])
+def test_keep_rows_moves_each_kept_row_whole(keep):
+    """After keep_rows, row j of the runner's and of the self-draft's buffers holds what row keep[j] held (its used
+    slots), whether the kept rows only move into freed places (copied in place) or cross (gathered first)."""
+    target = tiny_model("llama")
+    ids, mask = left_padded(row_prompts(target.config.vocab_size))
+    runner = BatchRunner(target, [])
+    drafter = StreamingSelfDrafter(target, sink=2, window=4, gamma=2)
+    with runner.session(), torch.inference_mode():
+        runner.reset(len(LENGTHS), ids.shape[1] + 8)
+        runner.prefill(ids, mask)
+        drafter.begin(runner, ids, mask, None)
+        before = [(k.clone(), v.clone()) for k, v in runner.layers()]
+        draft_before = drafter.cache.drafthead_kv.clone()
+        start, length = runner.start.clone(), runner.length.clone()
+        runner.keep_rows(torch.tensor(keep))
+        drafter.keep_rows(torch.tensor(keep))
+        for j, row in enumerate(keep):
+            assert runner.start[j] == start[row] and runner.length[j] == length[row]
+            used = slice(int(start[row]), int(length[row]))
+            for (k, v), (k0, v0) in zip(runner.layers(), before):
+                assert torch.equal(k[j, :, used], k0[row, :, used]) and torch.equal(v[j, :, used], v0[row, :, used])
+            assert torch.equal(drafter.cache.drafthead_kv[:, :, j], draft_before[:, :, row])
+
+
 def test_batch_of_one_is_the_single_sequence_path():
     """B = 1 without padding takes the single-sequence engine; self-speculation takes the batched one. Both exact."""
     target = tiny_model("qwen2", seed=2)
