@@ -41,7 +41,7 @@ from drafthead.utils import cache_argument
 from .attention import kv_length_kwargs
 from .batch_tree import BatchTree
 from .sampling import SamplingParams, target_probs
-from .slots import SlotMap
+from .slots import SlotMap, keep_leading_rows
 from .small_gemm import int8_weights, live_entries, use_int8_weights
 from .static_runner import compile_step, set_write_slot, static_cache
 
@@ -211,12 +211,5 @@ class StreamingSelfDrafter:
         """Only `rows` go on: they move to the front of the same buffers (the batch keeps its size, so its
         compiled graph)."""
         pad = rows[torch.arange(self.slot_pos.shape[0], device=rows.device).clamp_max(rows.shape[0] - 1)]
-        kv = self.cache.drafthead_kv  # (2, layers, rows, ...): every layer at once
-        order = rows.tolist()
-        moved = [j for j, r in enumerate(order) if r != j]
-        if set(moved).isdisjoint(order[j] for j in moved):  # rows from the back into freed places: copied in place
-            for j in moved:  # (the padding rows after them are never read: their old entries stay)
-                kv[:, :, j].copy_(kv[:, :, order[j]])
-        else:
-            kv.copy_(kv.index_select(2, pad))
+        keep_leading_rows(self.cache.drafthead_kv, rows.tolist())  # (the padding rows after them are never read)
         self.slot_pos = self.slot_pos[pad]

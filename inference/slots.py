@@ -7,8 +7,8 @@ Rows of a batch advance by different amounts, so their entries sit at different 
   in a ring of `window` slots after them, so the buffer holds the attention sinks plus the most recent `window`
   positions and never grows with the context.
 
-`SlotMap.slots` maps positions to slots; `copy_rows`/`read_rows` move per-row entries of (B, kv_heads, S, D)
-buffers with one advanced-indexing op per tensor, whatever the rows' offsets.
+`SlotMap.slots` maps positions to slots; `write_rows` writes per-row entries of (B, kv_heads, S, D) buffers with one
+advanced-indexing op, whatever the rows' offsets; `keep_leading_rows` moves whole rows of a cache tensor.
 """
 
 from __future__ import annotations
@@ -59,19 +59,22 @@ class SlotMap:
         return positions[:, :m], keep[:, :m]
 
 
-def read_rows(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """buffer (B, H, S, D), slots (B, M) -> entries (B, M, H, D), row i read at its own slots."""
-    rows = torch.arange(buffer.shape[0], device=buffer.device).unsqueeze(1)
-    return buffer[rows, :, slots]
-
-
 def write_rows(buffer: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor) -> None:
     """Write entries (B, M, H, D) into buffer (B, H, S, D) at each row's own slots (B, M), in place."""
     rows = torch.arange(buffer.shape[0], device=buffer.device).unsqueeze(1)
     buffer[rows, :, slots] = entries
 
 
-def copy_rows(buffer: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Within each row of buffer (B, H, S, D), copy the entries at src (B, M) to dst (B, M) (gather first, so
-    overlapping ranges are safe)."""
-    write_rows(buffer, dst, read_rows(buffer, src))
+def keep_leading_rows(kv: torch.Tensor, rows: list[int], used: list[slice] | None = None) -> None:
+    """Make rows `rows` of a cache tensor kv (2, layers, B, kv_heads, S, D) its leading rows, in that order: row j
+    gets what row rows[j] holds (only its slots used[j], when given). Where no row is read after it is overwritten
+    (decoding's case: rows from the back move into the places of rows that stopped), each moving row is copied in
+    place, reading and writing its entries once; otherwise the rows are gathered first. Rows after len(rows) keep
+    what they hold."""
+    moved = [j for j, r in enumerate(rows) if r != j]
+    if set(moved).isdisjoint(rows[j] for j in moved):
+        for j in moved:
+            part = slice(None) if used is None else used[j]
+            kv[:, :, j, :, part].copy_(kv[:, :, rows[j], :, part])
+    elif moved:
+        kv[:, :, :len(rows)] = kv[:, :, torch.tensor(rows, device=kv.device)]
