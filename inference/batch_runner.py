@@ -8,8 +8,8 @@ Layout of one row in the (B, kv_heads, capacity, head_dim) buffers (transformers
 - verify() writes every row's tree at the same slots W = max_i length_i (StaticCache writes one slot range for
   the whole batch) with per-row positions (length_i - start_i + depth) and a per-row 4D mask: the row's committed
   range plus its tree's ancestor pattern. A shorter row has a masked hole between its length and W.
-- commit() copies each row's accepted nodes down to its own length (one gather + one scatter per layer for the
-  whole batch), so a row's committed tokens stay contiguous and the hole never outlives a step: the buffers never
+- commit() copies each row's accepted nodes down to its own length (one gather + one scatter for every layer and
+  row at once), so a row's committed tokens stay contiguous and the hole never outlives a step: the buffers never
   fragment, and nothing needs re-packing while rows are alive.
 - The buffers keep their batch size while a batch decodes: the rows in use are always the leading rows (a
   contiguous slice), keep_rows() moves the rows still decoding forward (only the rows that move are copied), and
@@ -283,9 +283,7 @@ class BatchRunner:
         valid = j[None, :] < counts[:, None]
         src = torch.where(valid, self.tree_at + pad_sequence(paths, batch_first=True).to(self.device), self.scratch)
         dst = torch.where(valid, self.length[:, None] + j, self.scratch)
-        # one gather and one write along the slots for every layer at once (the buffers keep all layers in one
-        # tensor, static_cache), where a copy per layer and tensor took 120 advanced-indexing ops
-        kv = self.cache.drafthead_kv  # (2, layers, rows, kv_heads, slots, head_dim)
+        kv = self.cache.drafthead_kv  # (2, layers, rows, kv_heads, slots, head_dim): all layers (static_cache)
         rows = torch.arange(self.batch, device=self.device)[:, None]
         kv[:, :, rows, :, dst] = kv[:, :, rows, :, src]
         self.length = self.length + counts
