@@ -52,24 +52,25 @@ inline __m512 bf16x16_to_float(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-// e^x for x <= 0 (a softmax's shifted scores): 2^k · p(r), degree-6 polynomial, relative error ~1e-7; exactly 0
-// below float's range (masked slots)
+// e^x for x <= 0 (a softmax's shifted scores): 2^k · p(r), |r| <= ln2/2, degree-5 polynomial (relative error
+// ~2.5e-6, far below the bf16 rounding of the probabilities and outputs); x below -110 (masked slots: -inf, or NaN
+// where a whole lane is masked) gives exactly 0 (2^k·p lies below float's smallest denormal). Against the degree-6
+// version with a compare and a masked move (1e-7; those 3 of ~15 operations fewer, and every exponential runs once
+// per (key, lane)): 8 rows × 8k keys, SmolLM2's shapes, 2-core Zen 4 EPYC, medians of 21 interleaved runs of two
+// builds: 5 queries (15 lanes) -7 to -8 % a layer, 1 query -3 %.
 inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 lowest = _mm512_set1_ps(-87.0f);
-  const __mmask16 alive = _mm512_cmp_ps_mask(x, lowest, _CMP_GE_OQ);
-  x = _mm512_max_ps(x, lowest);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-110.0f));  // (max_ps returns its second operand for a NaN)
   const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);  // x - k·ln2 in two parts
   r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  __m512 p = _mm512_set1_ps(1.0f / 120);
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(alive, _mm512_scalef_ps(p, k));
+  return _mm512_scalef_ps(p, k);
 }
 
 // mask entry j (stride `step`) of a bf16 or float mask row, as float
