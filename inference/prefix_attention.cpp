@@ -57,7 +57,7 @@ inline __m512 bf16x16_to_float(const uint16_t* p) {
 // where a whole lane is masked) gives exactly 0 (2^k·p lies below float's smallest denormal). Against the degree-6
 // version with a compare and a masked move (1e-7; those 3 of ~15 operations fewer, and every exponential runs once
 // per (key, lane)): 8 rows × 8k keys, SmolLM2's shapes, 2-core Zen 4 EPYC, medians of 21 interleaved runs of two
-// builds: 5 queries (15 lanes) -7 to -8 % a layer, 1 query -3 %.
+// builds, two such A/Bs: 5 queries (15 lanes) -6 to -8 % a layer, 1 query -3 to -8 %.
 inline __m512 exp_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-110.0f));  // (max_ps returns its second operand for a NaN)
   const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
