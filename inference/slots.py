@@ -69,12 +69,13 @@ def keep_leading_rows(kv: torch.Tensor, rows: list[int], used: list[slice] | Non
     """Make rows `rows` of a cache tensor kv (2, layers, B, kv_heads, S, D) its leading rows, in that order: row j
     gets what row rows[j] holds (only its slots used[j], when given). Where no row is read after it is overwritten
     (decoding's case: rows from the back move into the places of rows that stopped), each moving row is copied in
-    place, reading and writing its entries once; otherwise the rows are gathered first. Rows after len(rows) keep
-    what they hold."""
+    place, reading and writing its entries once; otherwise the moving rows are gathered first (all their slots).
+    Rows that stay in place and rows after len(rows) keep what they hold."""
     moved = [j for j, r in enumerate(rows) if r != j]
     if set(moved).isdisjoint(rows[j] for j in moved):
         for j in moved:
             part = slice(None) if used is None else used[j]
             kv[:, :, j, :, part].copy_(kv[:, :, rows[j], :, part])
-    elif moved:
-        kv[:, :, :len(rows)] = kv[:, :, torch.tensor(rows, device=kv.device)]
+    elif moved:  # only the rows that move, gathered before any is written
+        dst = torch.tensor(moved, device=kv.device)
+        kv[:, :, dst] = kv[:, :, torch.tensor([rows[j] for j in moved], device=kv.device)]

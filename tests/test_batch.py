@@ -248,7 +248,7 @@ def test_attention_skips_rows_not_in_use():
     assert some[2:].abs().sum() == 0 and full[2:].abs().sum() > 0
 
 
-@pytest.mark.parametrize("keep", [[0, 3, 2], [2, 0, 1], [3]])
+@pytest.mark.parametrize("keep", [[0, 3, 2], [2, 0, 1], [1, 0, 2], [3]])
 def test_keep_rows_moves_each_kept_row_whole(keep):
     """After keep_rows, row j of the runner's and of the self-draft's buffers holds what row keep[j] held (its used
     slots), whether the kept rows only move into freed places (copied in place) or cross (gathered first)."""
