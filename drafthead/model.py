@@ -155,11 +155,17 @@ class DraftHead(nn.Module):
         h = residual + attn_out
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
+    def output_layers(self) -> tuple[nn.Module, nn.Linear]:
+        """(norm, lm_head) that turn the head's output into logits: its own over the draft vocabulary (EAGLE-3) or
+        the target's frozen ones over the full vocabulary (EAGLE-1)."""
+        if self.eagle3:
+            return self.norm, self.lm_head
+        return self.target_norm, self.target_lm_head
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Head output (B, T, H) -> logits: draft vocabulary (EAGLE-3) or the target's full vocabulary (EAGLE-1)."""
-        if self.eagle3:
-            return self.lm_head(self.norm(hidden))
-        return self.target_lm_head(self.target_norm(hidden))
+        norm, lm_head = self.output_layers()
+        return lm_head(norm(hidden))
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary ids to target ids (identity for EAGLE-1 and full draft vocabularies)."""

@@ -1,7 +1,7 @@
 """Training throughput (tokens/s), peak memory and data/sync overhead of the default recipe's head, on CPU or CUDA.
 
     python scripts/bench_train.py --out runs/bench_train.json [--device cpu|cuda --processes 1,2 --seq-len 1024
-                                  --steps 4 --sequences 8 --loss-fraction 0.7]
+                                  --steps 4 --sequences 8 --loss-fraction 0.7 --set train.compile_loss=false]
 
 Uses the real target (SmolLM2-135M-Instruct, for the head's shape, embedding and output layer) and a small
 SYNTHETIC feature folder (random bf16 hidden states of the right widths, random tokens, the loss mask over the
@@ -88,10 +88,13 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16", help="bf16 | fp32 (CPUs without native bf16: fp32 is faster)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"],
                         help="cuda: one GPU per process (default when one is visible)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="recipe overrides for every run, e.g. train.compile_loss=false (recorded in the JSON)")
     args = parser.parse_args()
 
     sys.path.insert(0, str(REPO))
     from drafthead.config import default_aux_layer_ids
+    from drafthead.utils import atomic_write_json
     from train.recipe import load_recipe
     from transformers import AutoConfig
 
@@ -114,7 +117,7 @@ def main() -> None:
                "loss_fraction": args.loss_fraction, "mixed_precision": args.precision, "device": args.device,
                "cpu_count": os.cpu_count(),
                "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None, "tcmalloc": bool(tcmalloc),
-               "runs": {}}
+               "overrides": args.set, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
         tmp = Path(tmp)
         synthetic_features(tmp / "features", recipe.target, aux, cfg.hidden_size, cfg.vocab_size,
@@ -124,7 +127,7 @@ def main() -> None:
             overrides = [f"features.dir={tmp / 'features'}", f"train.output_dir={out}", f"train.max_steps={args.steps}",
                          "train.batch_size=1", "train.grad_accum=1", f"train.mixed_precision={args.precision}",
                          f"train.max_length={seq_len}", "train.save_every=1000000", "train.eval_every=1000000",
-                         "train.warmup_steps=1", "train.debug_report=true"]  # ranks/*.json: step times, memory
+                         "train.warmup_steps=1", "train.debug_report=true", *args.set]  # ranks/*.json: step times
             if nproc == 1:
                 cmd = [sys.executable, "-m", "train", args.recipe, *overrides]
             else:
@@ -134,8 +137,7 @@ def main() -> None:
             run(cmd, {**env, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))})
             results["runs"][f"{nproc}proc"] = measure(out)
             print(json.dumps({f"{nproc}proc": results["runs"][f"{nproc}proc"]}), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    atomic_write_json(args.out, results)
     print(f"wrote {args.out}")
 
 

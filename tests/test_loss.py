@@ -50,12 +50,13 @@ def reference_loss(module: DraftTrainModule, input_ids, loss_mask, aux_hidden, l
     return loss, preds
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
-def test_loss_on_trained_positions_equals_loss_over_all_positions(arch, kind):
+@pytest.mark.parametrize("arch,kind,compile_loss", [("llama", "eagle3", False), ("llama", "eagle1", False),
+                                                     ("qwen2", "eagle3", False), ("qwen2", "eagle1", False),
+                                                     ("llama", "eagle3", True), ("qwen2", "eagle1", True)])
+def test_loss_on_trained_positions_equals_loss_over_all_positions(arch, kind, compile_loss):
     target = tiny_model(arch)
     head = tiny_head(target, kind).train()
-    module = DraftTrainModule(head, target, ttt_steps=4)
+    module = DraftTrainModule(head, target, ttt_steps=4, compile_loss=compile_loss)
     input_ids = torch.randint(3, target.config.vocab_size, (3, 14), generator=torch.Generator().manual_seed(0))
     loss_mask = torch.zeros(3, 14, dtype=torch.bool)
     loss_mask[0, 5:] = True  # a prompt, then the answer to the end

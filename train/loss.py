@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from drafthead import DraftHead
 from drafthead.ttt import ttt_unroll
+from train.soft_ce import soft_cross_entropy
 
 EAGLE1_CE_WEIGHT = 0.1
 
@@ -38,13 +39,14 @@ class DraftTrainModule(nn.Module):
     """Head + frozen target output layers; forward(batch) -> dict(loss, preds, targets, valid)."""
 
     def __init__(self, head: DraftHead, target: nn.Module, ttt_steps: int = 7, ttt_decay: float = 0.8,
-                 feature_noise: float = 0.0):
+                 feature_noise: float = 0.0, compile_loss: bool = False):
         super().__init__()
         self.head = head
         self.config = head.config  # accelerate reads config.hidden_size for DeepSpeed "auto" bucket sizes
         self.steps = ttt_steps if head.eagle3 else 1
         self.decay = ttt_decay
         self.feature_noise = feature_noise
+        self.compile_loss = compile_loss
         if head.eagle3:
             ref = head.fc.weight
             self.target_norm = copy.deepcopy(target.get_decoder().norm).to(ref.device, ref.dtype)
@@ -99,16 +101,18 @@ class DraftTrainModule(nn.Module):
             valid = loss_mask[:, i + 2 : i + 2 + n]  # (B, n) predicts x_{t+i+2}
             out = out[:, :n][valid]  # (N, H): the valid outputs only
             rows = row_of[:, i + 1 : i + 1 + n][valid]  # (N,) their rows of the target's distribution
-            logits = head.logits(out)  # (N, Vd)
-            ce = -(probs[rows] * logits.float().log_softmax(-1)).sum(-1)  # (N,)
+            norm, lm_head = head.output_layers()
+            in_draft = in_draft_rows[rows]  # (N,) bool; all true for EAGLE-1
+            # sum over the rows of soft CE against the target (rows outside the draft vocabulary weigh 0), and the
+            # head's argmax; the (N, Vd) logits never outlive a chunk of rows (train/soft_ce.py)
+            ce_sum, top = soft_cross_entropy(norm(out), lm_head, probs, rows, in_draft, compiled=self.compile_loss)
             if head.eagle3:
-                in_draft = in_draft_rows[rows]
-                loss = loss + self.decay**i * (ce * in_draft).sum() / in_draft.sum().clamp(min=1)
+                loss = loss + self.decay**i * ce_sum / in_draft.sum().clamp(min=1)
             else:
                 regress = F.smooth_l1_loss(out.float(), last_hidden[:, 1 : 1 + n][valid].float(), reduction="none")
-                count = max(ce.numel(), 1)
-                loss = loss + regress.mean(-1).sum() / count + EAGLE1_CE_WEIGHT * ce.sum() / count
-            preds.append(_spread(valid, head.draft_to_target(logits.max(-1).indices)))
+                count = max(rows.numel(), 1)
+                loss = loss + regress.mean(-1).sum() / count + EAGLE1_CE_WEIGHT * ce_sum / count
+            preds.append(_spread(valid, head.draft_to_target(top)))
             targets.append(greedy[:, i + 1 : i + 1 + n])
             valids.append(valid)
         return {"loss": loss, "preds": preds, "targets": targets, "valid": valids}

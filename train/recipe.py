@@ -107,6 +107,7 @@ class TrainSection:
     ttt_steps: int = 7  # EAGLE-3 training-time-test unroll depth (eagle1: always 1)
     ttt_decay: float = 0.8  # weight of unroll step i: ttt_decay ** i
     feature_noise: float = 0.0  # eagle1 only: uniform +-noise on the input features
+    compile_loss: bool = True  # the loss's elementwise part through torch.compile (train/soft_ce.py; ~2x on it)
     mixed_precision: str = "bf16"  # bf16 | fp32 (fp16 on GPUs only)
     seed: int = 0
     save_every: int = 500

@@ -178,7 +178,8 @@ class Trainer:
         head = build_head(recipe, target, self.train_set, count_tokens=acc.is_main_process)
         self.target = target if config.online else None  # offline: only the borrowed modules are kept
         self.aux_layer_ids = head.config.aux_layer_ids
-        module = DraftTrainModule(head, target, config.ttt_steps, config.ttt_decay, config.feature_noise).to(device)
+        module = DraftTrainModule(head, target, config.ttt_steps, config.ttt_decay, config.feature_noise,
+                                  compile_loss=config.compile_loss).to(device)
         if not config.online:
             del target
         share_draft_vocab(acc, module.head)  # rank 0's draft vocabulary on every rank, checked
