@@ -83,3 +83,17 @@ def test_matches_plain_linear_layer_call():
     layer, x, probs, rows, weight = problem(torch.float32, True)
     _, top = soft_cross_entropy(x, layer, probs, rows, weight)
     assert torch.equal(top, F.linear(x, layer.weight, layer.bias).max(-1).indices)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the compiled chunk runs on Triton)")
+def test_compiled_on_cuda_equals_autograd():
+    layer, x, probs, rows, weight = problem(torch.float32, True, n=300, hidden=64, vocab=5000)
+    layer, x, probs, rows, weight = (t.cuda() for t in (layer, x, probs, rows, weight))
+    x.requires_grad_()
+    params = [x, layer.weight, layer.bias]
+    got, top = soft_cross_entropy(x, layer, probs, rows, weight, chunk=128, compiled=True)
+    want, want_top = reference(layer, x, probs, rows, weight)
+    assert torch.equal(top, want_top)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    for g, w in zip(grads(got, params), grads(want, params)):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
