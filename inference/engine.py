@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ import torch.nn as nn
 
 from drafthead import DraftHead, check_compatible, load_head
 from drafthead.format import CONFIG_NAME, is_head_config
-from drafthead.hardware import synchronizer
+from drafthead.hardware import resolve_dtype, synchronizer
 from drafthead.utils import parse_dtype, place_module
 from drafthead.masks import causal_allowed
 
@@ -311,7 +312,8 @@ class SpeculativeGenerator:
         speculate: str | SpeculationSwitch = "always",
         draft_weights: str = "same",
     ) -> "SpeculativeGenerator":
-        """target: HF folder/name or a loaded causal LM. draft: a head folder (native or exported) or DraftHead;
+        """target: HF folder/name or a loaded causal LM; dtype: a name, a torch dtype, "auto" (bf16 on CUDA and on
+        CPUs with native bf16, else fp32) or None (the checkpoint's). draft: a head folder (native or exported) or DraftHead;
         a smaller causal LM's folder (or model) sharing the target's tokenizer, drafting chains of `gamma` tokens;
         "prompt-lookup" (chains of up to `lookup_tokens` tokens copied from the context); "self" (the target drafts
         chains of `gamma` tokens for itself with a StreamingLLM KV of `sink` + `window` positions: MagicDec,
@@ -327,6 +329,9 @@ class SpeculativeGenerator:
         (batch_switch.py); "always" speculates on every step. draft_weights="int8" (self-speculation): the draft
         multiplies with an int8 copy of the target's weights (half the bytes a draft step reads; the target verifies
         with its own: still lossless)."""
+        if dtype == "auto":  # bf16 on CUDA and on CPUs with native bf16, else fp32 (drafthead.hardware)
+            on = device or (next(target.parameters()).device if isinstance(target, nn.Module) else "cpu")
+            dtype = resolve_dtype("auto", on)
         dtype = parse_dtype(dtype)
         model, tokenizer = load_causal_lm(target, dtype, tokenizer)
         model = place_module(model, device, dtype).eval()
@@ -368,7 +373,7 @@ class SpeculativeGenerator:
     @torch.inference_mode()
     def generate(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | Mapping[str, torch.Tensor],
         max_new_tokens: int | None = None,
         temperature: float | None = None,
         top_p: float | None = None,
@@ -384,7 +389,7 @@ class SpeculativeGenerator:
         attention_mask: torch.Tensor | None = None,
     ) -> GenerationOutput:
         """Speculative generation for prompts (B, T), left-padded with their `attention_mask` when B > 1 (as
-        transformers' generate takes a batch). Arguments as in transformers' generate; explicit arguments win over
+        transformers' generate takes a batch), or a tokenizer's output holding both. Arguments as in transformers' generate; explicit arguments win over
         `generation_config`. Greedy unless sampling is asked for (temperature > 0 or do_sample). eos defaults to
         the target's generation_config.eos_token_id. Row i of `.sequences` is row i of input_ids followed by its
         new tokens (right-padded with the pad token to the longest row)."""
@@ -393,6 +398,9 @@ class SpeculativeGenerator:
         params, max_new_tokens, generator = self._settings(gc, temperature, top_k, top_p, do_sample, max_new_tokens,
                                                            seed, generator)
         stopper = self._stopper(gc, eos_token_id, stop, tokenizer, max_new_tokens)
+        if isinstance(input_ids, Mapping):  # a tokenizer's output (BatchEncoding), e.g. apply_chat_template(...)
+            attention_mask = input_ids.get("attention_mask") if attention_mask is None else attention_mask
+            input_ids = input_ids["input_ids"]
         input_ids = torch.as_tensor(input_ids)
         if input_ids.dim() > 2:
             raise ValueError(f"input_ids must be (B, T) or (T,), got {tuple(input_ids.shape)}")

@@ -2,7 +2,7 @@
 tau and tokens/s.
 
     python -m inference.generate --target PATH --draft PATH --prompt "Tell me a story" --chat \
-        [--temperature 0.7 --top-p 0.9] [--max-new-tokens 128] [--device cpu] [--dtype bfloat16] [--tree cpu]
+        [--temperature 0.7 --top-p 0.9] [--max-new-tokens 128] [--device cpu] [--dtype auto] [--tree cpu]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from .tree import TREE_PRESETS
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m inference.generate", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m inference.generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True, help="HF model folder of the target")
     ap.add_argument("--draft", required=True, help="draft-head folder (native or exported), a smaller causal LM's "
                     "folder (same tokenizer), or prompt-lookup")
@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: the checkpoint's)")
+    ap.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with native bf16, else fp32) | "
+                    "bfloat16 | float16 | float32 | checkpoint (the checkpoint's own)")
     ap.add_argument("--tree", default="cpu", help=f"a preset ({', '.join(sorted(TREE_PRESETS))}) or "
                     "depth,top_k,total_tokens")
     ap.add_argument("--depth", type=int, default=None)
@@ -45,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import TextStreamer
 
     gen = SpeculativeGenerator.from_pretrained(
-        args.target, args.draft, device=args.device, dtype=args.dtype, tree=args.tree,
+        args.target, args.draft, device=args.device, dtype=None if args.dtype == "checkpoint" else args.dtype,
+        tree=args.tree,
         depth=args.depth, top_k=args.top_k_draft, total_tokens=args.total_tokens, hybrid=args.hybrid,
         gamma=args.gamma, lookup_tokens=args.lookup_tokens,
     )

@@ -88,3 +88,16 @@ def test_streamer_and_generation_config(runner):
     assert "".join(streamer) == tok.decode(out.sequences[0, ids.shape[1]:])
     ref = target.generate(ids, do_sample=False, max_new_tokens=17, eos_token_id=None)
     assert torch.equal(out.sequences, ref)
+
+
+def test_tokenizer_output_is_taken_as_input(runner):
+    """A tokenizer's BatchEncoding (what apply_chat_template(..., return_tensors="pt") returns in transformers 5)
+    is read for its input_ids and attention_mask: the same output as the tensor itself."""
+    from transformers import BatchEncoding
+
+    target, gen = setup(runner)
+    ids = prompts(1, 320, seed=7)[0]
+    encoded = BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    out = gen.generate(encoded, max_new_tokens=12, eos_token_id=[])
+    assert torch.equal(out.sequences, gen.generate(ids, max_new_tokens=12, eos_token_id=[]).sequences)
+    assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_new_tokens=12, eos_token_id=None))

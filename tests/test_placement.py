@@ -54,3 +54,14 @@ def test_load_head_keeps_rotary_frequencies(tmp_path):
     for name, value in expected.items():
         got = rotary_frequencies(loaded)[name]
         assert got.dtype == torch.float32 and torch.equal(got, value), name
+
+
+def test_engine_dtype_auto_and_checkpoint(tiny_target_dir):
+    """dtype="auto" is the hardware's choice (drafthead.hardware.auto_dtype), None keeps the checkpoint's."""
+    from drafthead.hardware import auto_dtype
+
+    saved = AutoModelForCausalLM.from_pretrained(tiny_target_dir).dtype
+    auto = SpeculativeGenerator.from_pretrained(tiny_target_dir, None, tree="none", device="cpu", dtype="auto")
+    kept = SpeculativeGenerator.from_pretrained(tiny_target_dir, None, tree="none", device="cpu", dtype=None)
+    assert next(auto.target.parameters()).dtype == auto_dtype("cpu")
+    assert next(kept.target.parameters()).dtype == saved
