@@ -7,7 +7,7 @@
 #                                                     the repo to /root/stage/repo, runs the CUDA tests
 #   3. carry .gpu-stage/3: bash .gpu-stage/3/run.sh   the head; prepare, then whatever JOBS holds (setsid, logged
 #                                                     to /root/stage/out); later calls: bash /root/stage/poll.sh SECONDS [head]
-# usage: scripts/gpu_stage.sh HEAD_FOLDER [JOBS_SCRIPT]     (the default jobs: CUDA bench, eager bench, recipe)
+# usage: [TRAIN_STEPS=N] scripts/gpu_stage.sh HEAD_FOLDER [JOBS_SCRIPT]   (the default jobs: below)
 set -euo pipefail
 HEAD=${1:?usage: scripts/gpu_stage.sh HEAD_FOLDER [JOBS_SCRIPT]}
 JOBS=${2:-}
@@ -49,16 +49,22 @@ echo "$SHA  \$S/gguf/$GGUF" | sha256sum -c || exit 1
 xz -dc .gpu-stage/2/sharegpt.jsonl.xz > \$S/cache/data/sharegpt.jsonl; cp .gpu-stage/2/mt_bench.jsonl \$S/cache/data/
 mkdir -p \$S/repo && tar --exclude=./.gpu-stage --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C \$S/repo
 cd \$S/repo && python3 -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; import fetch_assets as f; f.convert_gguf(Path('\$S/gguf'), '$GGUF', Path('\$S/cache/models/$NAME'), f.SMOLLM2['description'])"
-python3 -m pytest -q -p no:cacheprovider tests/test_static_runner.py -k cuda -rs 2>&1 | tail -3
+python3 -m pytest -q -p no:cacheprovider tests/test_static_runner.py tests/test_soft_ce.py -k cuda -rs 2>&1 | tail -3
 EOT
+# The default jobs fit a 15-minute device budget (machine start and the three calls included) and lead with issue
+# 14's figures: the trainer's tokens/s at the recipe's 16k-token micro-batches (chunked loss compiled vs eager),
+# then the recipe itself shortened to TRAIN_STEPS (default 600, ~10 M tokens), exported for a CPU tau table.
+TRAIN_STEPS=${TRAIN_STEPS:-600}
 cat > "$S/3/jobs.sh" <<EOT
 $ENV
-S=/root/stage; O=\$S/out; M=\$S/cache/models/$NAME; H=\$S/head; cd \$S/repo
+S=/root/stage; O=\$S/out; cd \$S/repo
+for c in true false; do
+  python3 scripts/bench_train.py --device cuda --processes 1 --steps 15 --sequences 64 --out \$O/bench_train_compile_\$c.json \\
+      --set train.batch_size=16 train.compile_loss=\$c > \$O/bench_train_\$c.log 2>&1
+done
 python3 -m train.prepare configs/smollm2-135m-eagle3-gpu.yaml run_dir=\$S/run data.num_proc=12 > \$O/prepare.log 2>&1
-B="python3 -m inference.bench --target \$M --draft \$H --device cuda --dtype bfloat16 --no-pld --max-new-tokens 128"
-\$B --runner static --compile on --tree auto --methods plain,engine_plain,speculative --num-prompts 20 --out \$O/cuda_static.json > \$O/bench_static.log 2>&1
-\$B --runner eager --compile off --tree gpu --compare-tree --methods plain,engine_plain,speculative --num-prompts 5 --out \$O/cuda_eager.json > \$O/bench_eager.log 2>&1
-python3 -m train configs/smollm2-135m-eagle3-gpu.yaml run_dir=\$S/run > \$O/train.log 2>&1
+python3 -m train configs/smollm2-135m-eagle3-gpu.yaml run_dir=\$S/run train.max_steps=$TRAIN_STEPS \\
+    train.save_every=$TRAIN_STEPS train.eval_every=$TRAIN_STEPS > \$O/train.log 2>&1
 cp \$S/run/train/log.jsonl \$O/train_log.jsonl
 python3 -m drafthead.export \$S/run/train/final \$O/head --format eagle3 --force > \$O/export.log 2>&1
 EOT
