@@ -312,23 +312,22 @@ class SpeculativeGenerator:
         speculate: str | SpeculationSwitch = "always",
         draft_weights: str = "same",
     ) -> "SpeculativeGenerator":
-        """target: HF folder/name or a loaded causal LM; dtype: a name, a torch dtype, "auto" (bf16 on CUDA and on
-        CPUs with native bf16, else fp32) or None (the checkpoint's). draft: a head folder (native or exported) or DraftHead;
+        """target: HF folder/name or a loaded causal LM; dtype: a name, a torch dtype, "auto" (bf16 on CUDA and on CPUs
+        with native bf16, else fp32) or None (the checkpoint's). draft: a head folder (native or exported) or DraftHead;
         a smaller causal LM's folder (or model) sharing the target's tokenizer, drafting chains of `gamma` tokens;
         "prompt-lookup" (chains of up to `lookup_tokens` tokens copied from the context); "self" (the target drafts
         chains of `gamma` tokens for itself with a StreamingLLM KV of `sink` + `window` positions: MagicDec,
-        self_draft.py); a Drafter; or None with tree="none". hybrid=True adds the prompt-lookup branch to a head's
-        tree or to the self-draft's chains (in a batch, at most `lookup_nodes` of its `lookup_tokens` join each
-        row's tree, where the chain leaves the drafter's nodes: batch_lookup.py). draft_kv="streaming" gives a head
-        the same sink + window KV (the draft for long contexts). Raises drafthead.HeadMismatchError when a head
-        was made for another target, TokenizerMismatchError when a draft model uses another tokenizer.
-        draft_vocab=N: a head or the self-draft proposes only the N tokens that ShareGPT's assistant turns (the asset
-        cache, draft_vocab.py) use most (a head's lm_head rows are pruned; the self-draft computes only those rows of
-        the target's lm_head); output stays lossless. speculate="auto": batched decoding (B > 1, self-speculation, a
-        streaming draft KV) speculates only on the steps where its measured cost pays, taking plain steps on the others
-        (batch_switch.py); "always" speculates on every step. draft_weights="int8" (self-speculation): the draft
-        multiplies with an int8 copy of the target's weights (half the bytes a draft step reads; the target verifies
-        with its own: still lossless)."""
+        self_draft.py); a Drafter; or None with tree="none". hybrid=True adds the prompt-lookup branch to a head's tree
+        or to the self-draft's chains (in a batch, at most `lookup_nodes` of its `lookup_tokens` join each row's tree,
+        where the chain leaves the drafter's nodes: batch_lookup.py). draft_kv="streaming" gives a head the same sink +
+        window KV (the draft for long contexts). Raises drafthead.HeadMismatchError when a head was made for another
+        target, TokenizerMismatchError when a draft model uses another tokenizer. draft_vocab=N: a head or the
+        self-draft proposes only the N tokens that ShareGPT's assistant turns (the asset cache, draft_vocab.py) use most
+        (a head's lm_head rows are pruned; the self-draft computes only those rows of the target's lm_head); output
+        stays lossless. speculate="auto": batched decoding (B > 1, self-speculation, a streaming draft KV) speculates
+        only on the steps where its measured cost pays, taking plain steps on the others (batch_switch.py); "always"
+        speculates on every step. draft_weights="int8" (self-speculation): the draft multiplies with an int8 copy of the
+        target's weights (half the bytes a draft step reads; the target verifies with its own: still lossless)."""
         if dtype == "auto":  # bf16 on CUDA and on CPUs with native bf16, else fp32 (drafthead.hardware)
             on = device or (next(target.parameters()).device if isinstance(target, nn.Module) else "cpu")
             dtype = resolve_dtype("auto", on)
@@ -389,10 +388,10 @@ class SpeculativeGenerator:
         attention_mask: torch.Tensor | None = None,
     ) -> GenerationOutput:
         """Speculative generation for prompts (B, T), left-padded with their `attention_mask` when B > 1 (as
-        transformers' generate takes a batch), or a tokenizer's output holding both. Arguments as in transformers' generate; explicit arguments win over
-        `generation_config`. Greedy unless sampling is asked for (temperature > 0 or do_sample). eos defaults to
-        the target's generation_config.eos_token_id. Row i of `.sequences` is row i of input_ids followed by its
-        new tokens (right-padded with the pad token to the longest row)."""
+        transformers' generate takes a batch), or a tokenizer's output holding both. Arguments as in transformers'
+        generate; explicit arguments win over `generation_config`. Greedy unless sampling is asked for (temperature > 0
+        or do_sample). eos defaults to the target's generation_config.eos_token_id. Row i of `.sequences` is row i of
+        input_ids followed by its new tokens (right-padded with the pad token to the longest row)."""
         t_start = time.perf_counter()
         gc = generation_config
         params, max_new_tokens, generator = self._settings(gc, temperature, top_k, top_p, do_sample, max_new_tokens,

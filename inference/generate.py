@@ -47,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = SpeculativeGenerator.from_pretrained(
         args.target, args.draft, device=args.device, dtype=None if args.dtype == "checkpoint" else args.dtype,
-        tree=args.tree,
-        depth=args.depth, top_k=args.top_k_draft, total_tokens=args.total_tokens, hybrid=args.hybrid,
+        tree=args.tree, depth=args.depth, top_k=args.top_k_draft, total_tokens=args.total_tokens, hybrid=args.hybrid,
         gamma=args.gamma, lookup_tokens=args.lookup_tokens,
     )
     tok = gen.tokenizer
