@@ -91,6 +91,7 @@ class DraftTrainModule(nn.Module):
         if self.training and self.feature_noise > 0:
             features = features + (torch.rand_like(features) * 2 - 1) * self.feature_noise
         outputs = ttt_unroll(head, input_ids, features, self.steps)  # steps x (B, T-1, H)
+        norm, lm_head = head.output_layers()
 
         loss = input_ids.new_zeros((), dtype=torch.float32)
         preds, targets, valids = [], [], []
@@ -101,7 +102,6 @@ class DraftTrainModule(nn.Module):
             valid = loss_mask[:, i + 2 : i + 2 + n]  # (B, n) predicts x_{t+i+2}
             out = out[:, :n][valid]  # (N, H): the valid outputs only
             rows = row_of[:, i + 1 : i + 1 + n][valid]  # (N,) their rows of the target's distribution
-            norm, lm_head = head.output_layers()
             in_draft = in_draft_rows[rows]  # (N,) bool; all true for EAGLE-1
             # sum over the rows of soft CE against the target (rows outside the draft vocabulary weigh 0), and the
             # head's argmax; the (N, Vd) logits never outlive a chunk of rows (train/soft_ce.py)

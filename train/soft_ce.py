@@ -16,6 +16,7 @@ autograd sums the unroll steps'), softmax and loss in float32.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -40,27 +41,24 @@ def chunk_loss(logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor, we
     return loss, grad.to(logits.dtype), top
 
 
-_compiled: dict[str, object] = {}
+_compile_failed = False  # set once compiling failed in this process
 
 
-def _chunk_fn(compiled: bool):
-    """chunk_loss, compiled once per process when asked (eager if compiling is impossible here, said once)."""
-    if not compiled:
-        return chunk_loss
-    if "fn" not in _compiled:
-        _compiled["fn"] = torch.compile(chunk_loss, dynamic=True)
-    return _compiled["fn"]
+@functools.cache
+def _compiled_chunk_loss():
+    return torch.compile(chunk_loss, dynamic=True)  # compiles at its first call; once per process
 
 
 def _run_chunk(compiled: bool, *args):
-    if compiled and _compiled.get("failed"):
-        compiled = False
+    """chunk_loss(*args), through torch.compile when asked; if compiling fails here (no C++ compiler, no Triton),
+    said once and eager from then on (the eager function computes the same)."""
+    global _compile_failed
+    if not compiled or _compile_failed:
+        return chunk_loss(*args)
     try:
-        return _chunk_fn(compiled)(*args)
-    except Exception as error:  # noqa: BLE001 - no C++ compiler / Triton: the eager function computes the same
-        if not compiled:
-            raise
-        _compiled["failed"] = True
+        return _compiled_chunk_loss()(*args)
+    except Exception as error:  # noqa: BLE001
+        _compile_failed = True
         print(f"train.soft_ce: compiling the loss failed ({type(error).__name__}: {str(error)[:200]}); "
               "running it eagerly", file=sys.stderr)
         return chunk_loss(*args)
