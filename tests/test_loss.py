@@ -91,3 +91,28 @@ def test_loss_of_a_batch_without_trained_positions_is_zero_with_a_graph():
     assert out["loss"].item() == 0.0 and out["loss"].requires_grad
     out["loss"].backward()
     assert all(p.grad is None or not p.grad.any() for p in head.parameters())
+
+
+def test_autocast_with_float32_master_weights_over_several_chunks():
+    """mixed_precision=bf16 without DeepSpeed (`python -m train` on one process): fp32 head under autocast, more
+    trained rows than one chunk of the chunked loss holds. Same loss and gradients as autograd's under autocast."""
+    from train.soft_ce import CHUNK_ROWS
+
+    target = tiny_model("llama")
+    head = tiny_head(target, "eagle3").train()
+    module = DraftTrainModule(head, target, ttt_steps=2)
+    input_ids = torch.randint(3, target.config.vocab_size, (3, 480), generator=torch.Generator().manual_seed(2))
+    loss_mask = torch.ones(3, 480, dtype=torch.bool)
+    loss_mask[:, :10] = False
+    assert loss_mask[:, 2:].sum() > CHUNK_ROWS  # the first unroll step spans two chunks
+    aux_hidden, last_hidden = features(target, head, input_ids)
+    params = [p for p in head.parameters() if p.requires_grad]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = module(input_ids, loss_mask, aux_hidden, last_hidden)
+        expected, _ = reference_loss(module, input_ids, loss_mask, aux_hidden, last_hidden)
+    grads = torch.autograd.grad(out["loss"], params)
+    expected_grads = torch.autograd.grad(expected, params)
+    torch.testing.assert_close(out["loss"], expected, rtol=2e-3, atol=0)
+    for g, e in zip(grads, expected_grads):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, e, rtol=5e-2, atol=5e-2 * e.abs().max().item())

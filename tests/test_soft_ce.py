@@ -97,3 +97,25 @@ def test_compiled_on_cuda_equals_autograd():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
     for g, w in zip(grads(got, params), grads(want, params)):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device,compiled", [("cpu", False), ("cpu", True), pytest.param("cuda", True, marks=CUDA)])
+def test_autocast_with_float32_master_weights(device, compiled):
+    """mixed_precision=bf16 without DeepSpeed: fp32 parameters under autocast, several chunks. The products run in
+    bf16 as nn.Linear's would; the gradients come back in the parameters' dtype."""
+    layer, x, probs, rows, weight = problem(torch.float32, True, n=300, hidden=64, vocab=500)
+    layer, x, probs, rows, weight = (t.to(device) for t in (layer, x, probs, rows, weight))
+    x.requires_grad_()
+    params = [x, layer.weight, layer.bias]
+    with torch.autocast(device, dtype=torch.bfloat16):
+        got, top = soft_cross_entropy(x, layer, probs, rows, weight, chunk=64, compiled=compiled)
+        want, want_top = reference(layer, x, probs, rows, weight)
+    assert torch.equal(top, want_top) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    got_grads, want_grads = grads(got, params), grads(want, params)
+    for g, w in zip(got_grads, want_grads):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2 * w.abs().max().item())

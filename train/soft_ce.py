@@ -10,8 +10,8 @@ latter at once into the gradients of h and W (the same two matrix products autog
 (N, V) outlives its chunk, and the backward pass only scales the stored gradients. The elementwise part of a
 chunk (`chunk_loss`) is compiled once (inductor fuses it into a few loops: C++ on a CPU, Triton on a GPU; 2-core
 Zen 4, 700 rows x 32k, bf16: ~100 ms -> ~50 ms an unroll step against autograd's). Same arithmetic as
-autograd's: logits and the gradient products in the input's dtype (the chunks' weight gradients summed in it, as
-autograd sums the unroll steps'), softmax and loss in float32.
+autograd's: logits and the gradient products in the input's dtype, or autocast's under autocast (the chunks'
+weight gradients summed in the weight's dtype, as autograd sums the unroll steps'), softmax and loss in float32.
 """
 
 from __future__ import annotations
@@ -69,24 +69,37 @@ class _SoftCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, probs, rows, row_weight, chunk, compiled):
         needs_h, needs_w, needs_b = ctx.needs_input_grad[:3]
         with_grad = needs_h or needs_w or needs_b
+        # the products run in the input's dtype, or under autocast in autocast's dtype (as nn.Linear's would,
+        # e.g. fp32 master weights under mixed_precision=bf16); the gradients are kept in the parameters' and
+        # the input's own dtypes
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        x, w = hidden.to(dtype), weight.to(dtype)
+        b = None if bias is None else bias.to(dtype)
         n = hidden.shape[0]
         loss = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
         preds = torch.empty(n, dtype=torch.long, device=hidden.device)
         grad_h = torch.empty_like(hidden) if needs_h else None
-        grad_w = grad_b = None  # in the parameters' dtype, each chunk added by one addmm (as autograd sums steps)
-        for start in range(0, n, chunk):
-            end = min(start + chunk, n)
-            h = hidden[start:end]  # (c, H)
-            logits = torch.nn.functional.linear(h, weight, bias)  # (c, V) in the input's dtype, as nn.Linear
-            part, grad, preds[start:end] = _run_chunk(compiled, logits, probs, rows[start:end],
-                                                      row_weight[start:end], with_grad)
-            loss += part
-            if needs_b:
-                grad_b = grad.sum(0) if grad_b is None else grad_b.add_(grad.sum(0))
-            if needs_h:
-                grad_h[start:end] = grad @ weight
-            if needs_w:
-                grad_w = grad.t() @ h if grad_w is None else grad_w.addmm_(grad.t(), h)
+        grad_w = grad_b = None  # the chunks' sums, in the parameters' dtypes
+        with torch.autocast(device, enabled=False):
+            for start in range(0, n, chunk):
+                end = min(start + chunk, n)
+                h = x[start:end]  # (c, H)
+                logits = torch.nn.functional.linear(h, w, b)  # (c, V) in `dtype`
+                part, grad, preds[start:end] = _run_chunk(compiled, logits, probs, rows[start:end],
+                                                          row_weight[start:end], with_grad)
+                loss += part
+                if needs_b:
+                    grad_b = grad.sum(0).to(bias.dtype) if grad_b is None else grad_b.add_(grad.sum(0))
+                if needs_h:
+                    grad_h[start:end] = grad @ w
+                if needs_w:
+                    if grad_w is None:
+                        grad_w = (grad.t() @ h).to(weight.dtype)
+                    elif grad_w.dtype == dtype:
+                        grad_w.addmm_(grad.t(), h)  # one fused product-and-add
+                    else:
+                        grad_w.add_(grad.t() @ h)
         if n == 0:  # no rows: zero gradients, so that backward still reaches every parameter
             grad_w = torch.zeros_like(weight) if needs_w else None
             grad_b = torch.zeros_like(bias) if needs_b else None
@@ -105,7 +118,8 @@ def soft_cross_entropy(hidden: torch.Tensor, linear: torch.nn.Linear, probs: tor
                        compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """sum_n row_weight[n] * H(probs[rows[n]], softmax(linear(hidden[n]))) and argmax_v of each row's logits.
 
-    hidden (N, H) in the layer's dtype; probs (M, V) rows that sum to 1 or less; rows (N,) long; row_weight (N,).
+    hidden (N, H) in the layer's dtype (any dtypes under autocast, which sets the products'); probs (M, V) rows
+    that sum to 1 or less; rows (N,) long; row_weight (N,).
     Returns (loss () float32 (float64 for float64 inputs), preds (N,) long). Differentiable in hidden and in the
     layer's weight and bias (those that require grad). compiled=True runs each chunk's elementwise part through
     torch.compile (same results to float32 rounding, about twice as fast)."""
