@@ -124,6 +124,18 @@ def test_learning_eagle3(tmp_path):
     assert (tmp_path / "out" / "checkpoint-40" / "training_state").is_dir()
 
 
+def test_one_process_bf16_autocast_over_several_loss_chunks(tmp_path):
+    """`python -m train` on one process with mixed_precision=bf16 (the default recipe's): fp32 master weights under
+    autocast, micro-batches with more trained rows than one chunk of the loss (train/soft_ce.py) holds."""
+    recipe = make_run(tmp_path, n_train=64, max_steps=4, eval_every=4, save_every=4, batch_size=64,
+                      mixed_precision="bf16")
+    output = run_train(recipe).stdout
+    assert "mixed_precision=bf16" in output
+    log = read_log(tmp_path / "out")
+    assert [r["step"] for r in log] == [1, 2, 3, 4] and all(r["loss"] == r["loss"] for r in log)  # no NaN
+    assert log[-1]["loss"] < log[0]["loss"]
+
+
 def test_eagle1_trains(tmp_path):
     recipe = make_run(tmp_path, kind="eagle1", max_steps=6, eval_every=6, save_every=6, feature_noise=0.05)
     run_train(recipe)

@@ -69,37 +69,31 @@ class _SoftCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, probs, rows, row_weight, chunk, compiled):
         needs_h, needs_w, needs_b = ctx.needs_input_grad[:3]
         with_grad = needs_h or needs_w or needs_b
-        # the products run in the input's dtype, or under autocast in autocast's dtype (as nn.Linear's would,
-        # e.g. fp32 master weights under mixed_precision=bf16); the gradients are kept in the parameters' and
-        # the input's own dtypes
-        device = hidden.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-        x, w = hidden.to(dtype), weight.to(dtype)
-        b = None if bias is None else bias.to(dtype)
+        # under autocast (fp32 master weights with mixed_precision=bf16) the products run in autocast's dtype, as
+        # nn.Linear's would, reusing its cached cast of the weight; the sums stay in the parameters' dtypes
         n = hidden.shape[0]
         loss = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
         preds = torch.empty(n, dtype=torch.long, device=hidden.device)
         grad_h = torch.empty_like(hidden) if needs_h else None
-        grad_w = grad_b = None  # the chunks' sums, in the parameters' dtypes
-        with torch.autocast(device, enabled=False):
-            for start in range(0, n, chunk):
-                end = min(start + chunk, n)
-                h = x[start:end]  # (c, H)
-                logits = torch.nn.functional.linear(h, w, b)  # (c, V) in `dtype`
-                part, grad, preds[start:end] = _run_chunk(compiled, logits, probs, rows[start:end],
-                                                          row_weight[start:end], with_grad)
-                loss += part
-                if needs_b:
-                    grad_b = grad.sum(0).to(bias.dtype) if grad_b is None else grad_b.add_(grad.sum(0))
-                if needs_h:
-                    grad_h[start:end] = grad @ w
-                if needs_w:
-                    if grad_w is None:
-                        grad_w = (grad.t() @ h).to(weight.dtype)
-                    elif grad_w.dtype == dtype:
-                        grad_w.addmm_(grad.t(), h)  # one fused product-and-add
-                    else:
-                        grad_w.add_(grad.t() @ h)
+        grad_w = grad_b = None
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            h = hidden[start:end]  # (c, H)
+            logits = torch.nn.functional.linear(h, weight, bias)  # (c, V) in the input's (or autocast's) dtype
+            part, grad, preds[start:end] = _run_chunk(compiled, logits, probs, rows[start:end],
+                                                      row_weight[start:end], with_grad)
+            loss += part
+            if needs_b:
+                grad_b = grad.sum(0).to(bias.dtype) if grad_b is None else grad_b.add_(grad.sum(0))
+            if needs_h:
+                grad_h[start:end] = grad @ weight
+            if needs_w:
+                if grad_w is None:
+                    grad_w = (grad.t() @ h).to(weight.dtype)
+                elif grad_w.dtype == grad.dtype == h.dtype:
+                    grad_w.addmm_(grad.t(), h)  # product and sum in one call
+                else:  # autocast: a lower-precision product into the parameter-dtype sum
+                    grad_w.add_(grad.t() @ h)
         if n == 0:  # no rows: zero gradients, so that backward still reaches every parameter
             grad_w = torch.zeros_like(weight) if needs_w else None
             grad_b = torch.zeros_like(bias) if needs_b else None
