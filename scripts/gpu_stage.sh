@@ -6,8 +6,8 @@
 # of each other (the machine goes back when idle):
 #   calls 1 .. N-1:  carry .gpu-stage/K: bash .gpu-stage/K/run.sh   (copies its part to /root/stage)
 #   call N:          carry .gpu-stage/N: bash .gpu-stage/N/run.sh   joins and checks the tar, installs the wheels,
-#                    converts the target, copies the repo to /root/stage/repo, runs the CUDA tests, starts the jobs
-#                    (setsid, logged to /root/stage/out) and waits up to 420 s for them
+#                    converts the target, copies the repo to /root/stage/repo, starts the jobs (setsid, logged to
+#                    /root/stage/out; the CUDA tests run after them) and waits up to 420 s for them
 #   later calls:     bash /root/stage/poll.sh SECONDS [head]     (results, or the exported head, into $OUT)
 # usage: [TRAIN_STEPS=N] [PART_MIB=M] scripts/gpu_stage.sh [-j JOBS_SCRIPT] [HEAD_FOLDER]   (default jobs: below;
 #        HEAD_FOLDER is staged as /root/stage/head for jobs that read it; the default jobs do not)
@@ -63,7 +63,12 @@ cp \$S/run/train/log.jsonl \$O/train_log.jsonl
 python3 -m drafthead.export \$S/run/train/final \$O/head --format eagle3 --force > \$O/export.log 2>&1
 EOT
 [ -n "$JOBS" ] && cp "$JOBS" "$P/jobs.sh"
-echo 'echo done > /root/stage/out/DONE' >> "$P/jobs.sh"
+# the figures first (DONE ends poll.sh's wait), then the CUDA tests (out/cuda_tests.log, read by a later poll)
+cat >> "$P/jobs.sh" <<'EOT'
+echo done > /root/stage/out/DONE
+cd /root/stage/repo && python3 -m pytest -q -p no:cacheprovider tests/test_static_runner.py tests/test_soft_ce.py \
+    -k cuda -rs > /root/stage/out/cuda_tests.log 2>&1
+EOT
 cat > "$P/poll.sh" <<'EOT'
 # poll.sh SECONDS [head]: wait for the jobs up to SECONDS, then copy the JSON and logs to $OUT; with `head`, the
 # exported head alone instead (a call brings back 8 files of 16 MiB at most; a float32 head is 6 parts)
@@ -85,7 +90,6 @@ echo "$SHA  \$S/$GGUF" | sha256sum -c || exit 1
 xz -dc \$S/sharegpt.jsonl.xz > \$S/cache/data/sharegpt.jsonl; cp \$S/mt_bench.jsonl \$S/cache/data/
 python3 -c "import deepspeed, gguf, datasets, torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
 cd \$S/repo && python3 -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; import fetch_assets as f; f.convert_gguf(Path('\$S'), '$GGUF', Path('\$S/cache/models/$NAME'), f.SMOLLM2['description'])"
-python3 -m pytest -q -p no:cacheprovider tests/test_static_runner.py tests/test_soft_ce.py -k cuda -rs 2>&1 | tail -3
 EOT
 
 tar -cf /tmp/gpu-stage/payload.tar -C "$P" .
