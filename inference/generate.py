@@ -54,12 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     if tok is None:
         ap.error(f"no tokenizer found in {args.target}")
     if args.chat:
-        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
+        prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)
     else:
-        ids = tok(args.prompt, return_tensors="pt").input_ids
+        prompt = tok(args.prompt, return_tensors="pt")
     streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
-    out = gen.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+    out = gen.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                        top_k=args.top_k, seed=args.seed, streamer=streamer)
     s = out.stats
     print(f"\n[tau {s.mean_accepted:.2f} | {s.new_tokens} tokens in {s.total_time_s:.2f} s = {s.tokens_per_s:.1f} tok/s"

@@ -9,6 +9,9 @@ import torch.nn.functional as F
 
 from train.soft_ce import soft_cross_entropy
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
+                          reason="needs a CUDA device (the compiled chunk runs on Triton)")
+
 
 def problem(dtype, bias: bool, n=37, hidden=24, vocab=101, teacher_rows=50, seed=0):
     gen = torch.Generator().manual_seed(seed)
@@ -85,7 +88,7 @@ def test_matches_plain_linear_layer_call():
     assert torch.equal(top, F.linear(x, layer.weight, layer.bias).max(-1).indices)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the compiled chunk runs on Triton)")
+@CUDA
 def test_compiled_on_cuda_equals_autograd():
     layer, x, probs, rows, weight = problem(torch.float32, True, n=300, hidden=64, vocab=5000)
     layer, x, probs, rows, weight = (t.cuda() for t in (layer, x, probs, rows, weight))
@@ -97,9 +100,6 @@ def test_compiled_on_cuda_equals_autograd():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
     for g, w in zip(grads(got, params), grads(want, params)):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
-
-
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.mark.parametrize("device,compiled", [("cpu", False), ("cpu", True), pytest.param("cuda", True, marks=CUDA)])
