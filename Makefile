@@ -34,7 +34,7 @@ demo: install
 	RUN_DIR=$(RUN_DIR) $(PY) scripts/demo.py
 
 test: assets
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 test-fast: install
 	$(PY) -m pytest -q -m "not real and not slow" tests

@@ -287,14 +287,16 @@ def test_batch_of_one_is_the_single_sequence_path():
 
 
 def test_batch_sampling_follows_the_target_per_row():
-    """Chi-square per row: the joint law of each row's first two sampled tokens in a batch of 3 different prompts,
-    self-speculation (draft q != p) and an oracle head, against the target's exact law (2,000 batches)."""
+    """Chi-square per prompt: the joint law of each prompt's first two sampled tokens, 3 different prompts in one
+    batch, self-speculation (draft q != p) and an oracle head, against the target's exact law (2,000 draws per
+    prompt). Each batch holds every prompt `copies` times (rows in the order p0 p1 p2 p0 p1 p2 ...), so one
+    verification samples 3 x copies rows; a draw shared between rows would repeat samples and fail the test."""
     params = SamplingParams(True, 0.7, 0, 0.9)
     target = near_bigram_target("llama", eps=0.02, vocab_size=16)
     rows = [torch.tensor([[5, 9, 4]]), torch.tensor([[7, 2]]), torch.tensor([[3, 3, 12, 8]])]
-    ids, mask = left_padded(rows)
+    draws, copies = 2000, 50
+    ids, mask = left_padded(rows * copies)
     laws = [first_two_law(target, r, params) for r in rows]
-    draws = 2000
     for gen in (SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=1, window=2, gamma=2)),
                 SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=1, window=2, gamma=2,
                                                                   vocab=torch.tensor([2, 3, 5, 6, 8, 9, 11, 12, 14]))),
@@ -306,15 +308,17 @@ def test_batch_sampling_follows_the_target_per_row():
         g = torch.Generator().manual_seed(4)
         counts = [{} for _ in rows]
         accepted = 0
-        for _ in range(draws):
+        for _ in range(draws // copies):
             out = gen.generate(ids, attention_mask=mask, max_new_tokens=2, temperature=0.7, top_p=0.9, top_k=0,
                                eos_token_id=[], generator=g)
-            for i in range(len(rows)):
-                key = tuple(out.sequences[i, ids.shape[1]:].tolist())
-                counts[i][key] = counts[i].get(key, 0) + 1
-            accepted += sum(a > 1 for a in out.stats.accept_lengths[:3])
+            for j in range(ids.shape[0]):
+                key = tuple(out.sequences[j, ids.shape[1]:].tolist())
+                counts[j % len(rows)][key] = counts[j % len(rows)].get(key, 0) + 1
+            assert out.stats.rows_steps == [1] * ids.shape[0]  # one verification a row: its first step
+            accepted += sum(a > 1 for a in out.stats.accept_lengths)
         assert accepted > draws // 2  # drafts were accepted often: the sampling rule was exercised
         for i in range(len(rows)):
+            assert sum(counts[i].values()) == draws
             assert chi_square_p(counts[i], laws[i], draws) > 1e-3, i
 
 
