@@ -91,19 +91,26 @@ def test_trained_head_fp32_lossless(smollm2, trained_head, prompts, references, 
     assert tau > 2.5 and max(lengths) >= 4, (tree, tau, lengths)
 
 
-@pytest.mark.real
-def test_trained_head_bf16_divergences_are_near_ties(smollm2, smollm2_path, trained_head, prompts, runner):
-    """bf16: a tree forward and a one-token forward round differently; outputs may part only at near-ties
-    (judged against the float32 target, inference.ties)."""
+@pytest.fixture(scope="module")
+def bf16_references(smollm2_path, prompts):
+    """The bf16 target and its plain greedy decoding of the prompts, computed once for both runners (bf16 is the
+    slow dtype on an AVX2-only CPU)."""
     from transformers import AutoModelForCausalLM
 
+    target = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.bfloat16).eval()
+    return target, [target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS) for ids in prompts]
+
+
+@pytest.mark.real
+def test_trained_head_bf16_divergences_are_near_ties(smollm2, bf16_references, trained_head, prompts, runner):
+    """bf16: a tree forward and a one-token forward round differently; outputs may part only at near-ties
+    (judged against the float32 target, inference.ties)."""
     from inference.ties import explain_divergence
 
-    target = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.bfloat16).eval()
+    target, references = bf16_references
     gen = SpeculativeGenerator.from_pretrained(target, trained_head, tree="cpu", runner=runner)
     matches, lengths = 0, []
-    for ids in prompts:
-        ref = target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS)
+    for ids, ref in zip(prompts, references):
         out = gen.generate(ids, max_new_tokens=NEW_TOKENS)
         lengths += out.stats.accept_lengths
         if torch.equal(out.sequences, ref):
