@@ -312,8 +312,8 @@ def test_batch_sampling_follows_the_target_per_row():
             out = gen.generate(ids, attention_mask=mask, max_new_tokens=2, temperature=0.7, top_p=0.9, top_k=0,
                                eos_token_id=[], generator=g)
             for j in range(ids.shape[0]):
-                key = tuple(out.sequences[j, ids.shape[1]:].tolist())
-                counts[j % len(rows)][key] = counts[j % len(rows)].get(key, 0) + 1
+                key, seen = tuple(out.sequences[j, ids.shape[1]:].tolist()), counts[j % len(rows)]
+                seen[key] = seen.get(key, 0) + 1
             assert out.stats.rows_steps == [1] * ids.shape[0]  # one verification a row: its first step
             accepted += sum(a > 1 for a in out.stats.accept_lengths)
         assert accepted > draws // 2  # drafts were accepted often: the sampling rule was exercised
