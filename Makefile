@@ -33,8 +33,10 @@ assets: install
 demo: install
 	RUN_DIR=$(RUN_DIR) $(PY) scripts/demo.py
 
+# one worker per core (pytest-xdist); a module's tests that share an expensive fixture stay on one worker
+# (xdist_group marks, --dist loadgroup); the 25 slowest tests are printed on every run
 test: assets
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q -n auto --dist loadgroup --durations=25 tests
 
 test-fast: install
-	$(PY) -m pytest -q -m "not real and not slow" tests
+	$(PY) -m pytest -q -n auto --dist loadgroup -m "not real and not slow" tests

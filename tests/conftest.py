@@ -9,17 +9,26 @@ from pathlib import Path
 import pytest
 import torch
 
+REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))  # for `import tiny`
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# inductor's compiled kernels in a folder the test run owns (shared by the xdist workers and kept for the next run),
+# not the machine-wide /tmp/torchinductor_$USER
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".pytest_cache" / "torchinductor"))
 
 from tiny import ARCHS, tiny_model, tiny_tokenizer  # noqa: E402
 
 from drafthead.paths import cache_dir  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_configure(config):
+    """Under xdist, each worker takes its share of the cores: the tiny models gain nothing from more threads, and
+    two workers' OpenMP pools on the same cores only contend."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 RUNNERS = ("static", "eager")  # every losslessness test runs against both target runners

@@ -205,8 +205,9 @@ def test_generate_many_equals_each_prompt_alone(arch):
 def test_compiled_batch_keeps_one_graph_as_rows_leave():
     """Compiled self-draft and compiled target verify: rows stop at different steps and leave the batch (the rows
     still decoding move forward in the same buffers, attention skips the rest), the draft and verify steps keep
-    their shapes (one graph each, no recompile), and every row still ends exactly as it does alone."""
-    target = near_bigram_target("llama")
+    their shapes (one graph each, no recompile), and every row still ends exactly as it does alone. Two decoder
+    layers: each layer adds graph to build."""
+    target = near_bigram_target("llama", num_layers=2)
     rows = row_prompts(target.config.vocab_size, seed=3)
     alone = [target.generate(r, do_sample=False, max_new_tokens=30, eos_token_id=None)[0, r.shape[1]:].tolist()
              for r in rows]

@@ -16,6 +16,22 @@ from inference import SpeculativeGenerator
 
 torch.set_num_threads(1)
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+# the module's tests share the target's greedy references (computed once): all on one xdist worker
+pytestmark = pytest.mark.xdist_group("smollm2_references")
+
+
+@pytest.fixture(scope="module")
+def greedy(smollm2):
+    """Plain greedy decoding of the fp32 target, computed once per prompt and length for the whole module."""
+    done = {}
+
+    def reference(ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        key = (tuple(ids[0].tolist()), max_new_tokens)
+        if key not in done:
+            done[key] = smollm2.generate(ids, do_sample=False, max_new_tokens=max_new_tokens)
+        return done[key]
+
+    return reference
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +44,7 @@ def head_dir(smollm2, tmp_path_factory) -> Path:
 
 
 @pytest.mark.real
-def test_smollm2_greedy_lossless(smollm2, smollm2_path, head_dir, runner):
+def test_smollm2_greedy_lossless(smollm2, smollm2_path, head_dir, greedy, runner):
     gen = SpeculativeGenerator.from_pretrained(smollm2, head_dir, tree="cpu", runner=runner)
     from transformers import AutoTokenizer
 
@@ -36,7 +52,7 @@ def test_smollm2_greedy_lossless(smollm2, smollm2_path, head_dir, runner):
     for prompt in PROMPTS:
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)["input_ids"]
-        ref = smollm2.generate(ids, do_sample=False, max_new_tokens=32)
+        ref = greedy(ids, 32)
         out = gen.generate(ids, max_new_tokens=32)
         assert torch.equal(out.sequences, ref), (prompt, tok.decode(out.sequences[0]), tok.decode(ref[0]))
         assert out.stats.target_forwards >= 2 and out.stats.new_tokens == ref.shape[1] - ids.shape[1]
@@ -79,7 +95,7 @@ def shallow_copy_of(model, layers: int):
 
 @pytest.mark.real
 @pytest.mark.parametrize("drafter", ["prompt_lookup", "hybrid", "draft_model"])
-def test_smollm2_every_drafter_greedy_lossless(smollm2, smollm2_path, head_dir, drafter, runner):
+def test_smollm2_every_drafter_greedy_lossless(smollm2, smollm2_path, head_dir, greedy, drafter, runner):
     from transformers import AutoTokenizer
 
     from inference.draft_model import DraftModelDrafter
@@ -96,7 +112,7 @@ def test_smollm2_every_drafter_greedy_lossless(smollm2, smollm2_path, head_dir, 
     for prompt in PROMPTS + ["Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox"]:
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)["input_ids"]
-        ref = smollm2.generate(ids, do_sample=False, max_new_tokens=32)
+        ref = greedy(ids, 32)
         out = gen.generate(ids, max_new_tokens=32)
         assert torch.equal(out.sequences, ref), (drafter, prompt, tok.decode(out.sequences[0]), tok.decode(ref[0]))
         accepted += sum(n - 1 for n in out.stats.accept_lengths)

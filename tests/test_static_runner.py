@@ -183,10 +183,11 @@ def test_sliding_window_target_falls_back_to_eager(capsys):
 @pytest.mark.slow
 def test_compiled_runner_is_lossless_without_recompiles():
     """torch.compile'd verify steps (one graph per bucket) and the head's drafting step (one graph for the tree):
-    greedy output identical to generate, and a second round of prompts compiles nothing new."""
+    greedy output identical to generate, and a second round of prompts compiles nothing new. Two decoder layers:
+    what compiles is one layer's code, and each graph costs less to build."""
     from torch._dynamo.utils import counters
 
-    target = near_bigram_target("llama")
+    target = near_bigram_target("llama", num_layers=2)
     head = oracle_head(target).attach_target(target)
     runner = StaticRunner(target, head.config.aux_layer_ids, compile=True, buckets=(1, 8))
     spec = SpeculativeGenerator(target, head, tree=TreeOptions(depth=3, top_k=2, total_tokens=6), runner=runner,
@@ -209,26 +210,40 @@ def test_compiled_runner_is_lossless_without_recompiles():
     assert spec.generate(batch[0], max_new_tokens=20).stats.mean_accepted > 1.5
 
 
-@pytest.mark.slow
-def test_compiled_steps_follow_their_buffers_when_they_grow():
-    """The compiled steps skip the guards on the KV buffers (compile_step's `unguarded`): a sequence longer than
-    the warmed-up buffers (target and head) grows them, and the steps then read and write the new buffers (still
-    equal to generate)."""
-    target = near_bigram_target("llama")
+def grow_past_warmed_buffers(compile_target: bool, tree: TreeOptions):
+    """Warm a generator up on short sequences, then decode a 500-token prompt: the buffers must grow. Returns the
+    generator, its output and the capacities (target, head) before."""
+    target = near_bigram_target("llama", num_layers=2)
     head = oracle_head(target).attach_target(target)
-    runner = StaticRunner(target, head.config.aux_layer_ids, compile=True, buckets=(1, 8))
-    gen = SpeculativeGenerator(target, head, tree=TreeOptions(depth=3, top_k=2, total_tokens=6), runner=runner,
-                               compile=True)
+    runner = StaticRunner(target, head.config.aux_layer_ids, compile=compile_target, buckets=(8,))
+    gen = SpeculativeGenerator(target, head, tree=tree, runner=runner, compile=not compile_target)
     gen.warmup(32)
-    head_runner = gen.drafter.runner
-    small = (runner.capacity, head_runner.capacity)
+    small = (runner.capacity, gen.drafter.runner.capacity)
     ids = torch.randint(3, 320, (1, 500), generator=torch.Generator().manual_seed(5))
     ref = target.generate(ids, do_sample=False, max_new_tokens=24)
     out = gen.generate(ids, max_new_tokens=24)
-    assert runner.capacity > small[0] and head_runner.capacity > small[1]
+    assert runner.capacity > small[0] and gen.drafter.runner.capacity > small[1]
     assert torch.equal(out.sequences, ref)
-    assert runner.cache.layers[0].keys[0, :, ids.shape[1] - 1].abs().sum() > 0  # the new buffer holds the prompt
     assert out.stats.mean_accepted > 1.5
+    return gen, ids
+
+
+@pytest.mark.slow
+def test_compiled_verify_steps_follow_their_buffers_when_they_grow():
+    """The compiled steps skip the guards on the KV buffers (compile_step's `unguarded`): a sequence longer than
+    the warmed-up buffers grows them, and the target's compiled steps then read and write the new buffers (still
+    equal to generate). One 8-token bucket: the small buckets' GEMM templates are the lossless test's subject."""
+    gen, ids = grow_past_warmed_buffers(True, TreeOptions(depth=3, top_k=2, total_tokens=6))
+    assert gen.runner.compiled and not gen.drafter.runner.compiled
+    assert gen.runner.cache.layers[0].keys[0, :, ids.shape[1] - 1].abs().sum() > 0  # the new buffer holds the prompt
+
+
+@pytest.mark.slow
+def test_compiled_drafting_steps_follow_their_buffers_when_they_grow():
+    """Likewise for the head's drafting step compiled whole (its own KV buffer grows with the sequence); a depth-1
+    tree, the smallest whole step to compile."""
+    gen, ids = grow_past_warmed_buffers(False, TreeOptions(depth=1, top_k=4, total_tokens=4))
+    assert gen.drafter.runner.compiled and not gen.runner.compiled
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -255,19 +270,30 @@ def test_cuda_graph_capture_is_lossless():
 @pytest.mark.slow
 def test_compiled_runners_of_different_models_never_share_graphs():
     """Frozen weights are baked into a compiled graph: two targets (and two heads) compiled in one process must
-    each run their own weights."""
+    each run their own weights. (Two-layer targets, one 8-token verify bucket: inductor's GEMM templates of the
+    small buckets, costly to tune, are test_compiled_runner_is_lossless_without_recompiles' subject.)"""
     from inference.head_runner import HeadRunner
 
-    a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    a, b = tiny_model("llama", seed=0, num_layers=2), tiny_model("llama", seed=1, num_layers=2)
     prompt = prompts(1, 320, seed=7)[0]
     for model in (a, b):
-        runner = StaticRunner(model, [], compile=True, buckets=(1, 4))
+        runner = StaticRunner(model, [], compile=True, buckets=(8,))
         runner.reset(32)
         with torch.inference_mode():
             runner.prefill(prompt[:, :-1])
             logits, _, _ = runner.verify(prompt[:, -1:], *chain(1))
             ref = model(prompt).logits[:, -1:]
         torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_compiled_heads_of_different_weights_never_share_graphs():
+    """Likewise for the head: two heads of one target, each drafting step compiled whole, each drafts with its own
+    weights (the tree of the eager step)."""
+    from inference.head_runner import HeadRunner
+
+    a = tiny_model("llama", seed=0, num_layers=2)
+    prompt = prompts(1, 320, seed=7)[0]
     heads = [oracle_head(a).attach_target(a), oracle_head(a).attach_target(a)]
     with torch.no_grad():
         heads[1].fc.weight.mul_(-1.0)
@@ -328,11 +354,11 @@ from tiny import tiny_model
 from drafthead.masks import causal_allowed
 from inference.static_runner import StaticRunner
 assert not hasattr(torch.ops.drafthead_kernels, "small_linear")
-target = tiny_model("llama")
+target = tiny_model("llama", num_layers=2)
 ids = torch.randint(3, 320, (1, 12), generator=torch.Generator().manual_seed(0))
 logits = {}
 for compile in (False, True):
-    runner = StaticRunner(target, [2, 4], compile=compile)
+    runner = StaticRunner(target, [0, 1], compile=compile, buckets=(8,))
     with runner.session(), torch.inference_mode():
         runner.reset(16)
         runner.prefill(ids[:, :8])
