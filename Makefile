@@ -33,10 +33,10 @@ assets: install
 demo: install
 	RUN_DIR=$(RUN_DIR) $(PY) scripts/demo.py
 
-# one worker per core (pytest-xdist); a module's tests that share an expensive fixture stay on one worker
-# (xdist_group marks, --dist loadgroup); the 25 slowest tests are printed on every run
+# one worker per core (pytest-xdist), each module on one worker (--dist loadscope: a module's fixtures, such as
+# the trained head, are built once); the 25 slowest tests are printed on every run
 test: assets
-	$(PY) -m pytest -q -n auto --dist loadgroup --durations=25 tests
+	$(PY) -m pytest -q -n auto --dist loadscope --durations=25 tests
 
 test-fast: install
-	$(PY) -m pytest -q -n auto --dist loadgroup -m "not real and not slow" tests
+	$(PY) -m pytest -q -n auto --dist loadscope -m "not real and not slow" tests

@@ -77,33 +77,38 @@ def assert_rows_match(gen, target, rows, max_new: int, eos: int | None) -> None:
         assert out.sequences[i, ids.shape[1]: ids.shape[1] + n].tolist() == ref, f"row {i}"
 
 
-def test_every_forward_takes_the_kv_cache_by_the_installed_keyword():
+def no_deprecated_cache_keyword(caught) -> None:
     """The engine passes the KV cache by the keyword the installed transformers takes (5.2x renamed
-    `past_key_values` to `cache`, warns about the old name and removes it in 5.40): no such warning from any method,
-    one row (both target runners) or a batch."""
+    `past_key_values` to `cache`, warns about the old name and removes it in 5.40): no such warning."""
+    deprecated = [str(w.message) for w in caught if "past_key_values" in str(w.message)]
+    assert not deprecated, deprecated[0]
+
+
+def test_every_single_row_forward_takes_the_kv_cache_by_the_installed_keyword():
+    """One row through both target runners (every batched method: test_batch_greedy_matches_each_row_alone)."""
     target = tiny_model("llama")
     rows = row_prompts(target.config.vocab_size)
-    ids, mask = left_padded(rows)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for gen in generators(target).values():
-            gen.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=[])
         for runner in ("static", "eager"):
             gen = SpeculativeGenerator(target, random_head(target).attach_target(target), tree=TREES["wide"],
                                        runner=runner)
             gen.generate(rows[1], max_new_tokens=6, eos_token_id=[])
-    deprecated = [str(w.message) for w in caught if "past_key_values" in str(w.message)]
-    assert not deprecated, deprecated[0]
+    no_deprecated_cache_keyword(caught)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_batch_greedy_matches_each_row_alone(arch):
     """fp32, B = 4 rows of different lengths: a random target with random heads (rejections everywhere), and a
-    near-bigram target whose oracle head and self-draft accept long paths, so rows advance by different amounts."""
-    for target in (tiny_model(arch), near_bigram_target(arch)):
-        rows = row_prompts(target.config.vocab_size)
-        for name, gen in generators(target).items():
-            assert_rows_match(gen, target, rows, max_new=24, eos=None)
+    near-bigram target whose oracle head and self-draft accept long paths, so rows advance by different amounts.
+    No method passes the KV cache by the deprecated keyword."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for target in (tiny_model(arch), near_bigram_target(arch)):
+            rows = row_prompts(target.config.vocab_size)
+            for name, gen in generators(target).items():
+                assert_rows_match(gen, target, rows, max_new=24, eos=None)
+    no_deprecated_cache_keyword(caught)
 
 
 def test_batch_rows_that_hit_eos_stop_there():

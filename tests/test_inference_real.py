@@ -16,8 +16,6 @@ from inference import SpeculativeGenerator
 
 torch.set_num_threads(1)
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
-# the module's tests share the target's greedy references (computed once): all on one xdist worker
-pytestmark = pytest.mark.xdist_group("smollm2_references")
 
 
 @pytest.fixture(scope="module")

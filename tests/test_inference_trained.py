@@ -23,8 +23,6 @@ from inference import SpeculativeGenerator
 NEW_TOKENS = 48
 # bf16 runs ~8x slower than float32 on an AVX2-only CPU: three prompts and 32 tokens still reach deep accepts
 BF16_PROMPTS, BF16_NEW_TOKENS = 3, 32
-# the trained head (a trainer subprocess) is built once: every test of this module on one xdist worker
-pytestmark = pytest.mark.xdist_group("trained_head")
 
 
 @pytest.fixture(scope="module")
