@@ -34,9 +34,9 @@ demo: install
 	RUN_DIR=$(RUN_DIR) $(PY) scripts/demo.py
 
 # one worker per core (pytest-xdist), each module on one worker (--dist loadscope: a module's fixtures, such as
-# the trained head, are built once); the 25 slowest tests are printed on every run
+# the trained head, are built once), the longest modules first (tests/conftest.py); the 25 slowest tests printed
 test: assets
-	$(PY) -m pytest -q -n auto --dist loadscope --durations=25 tests
+	$(PY) -m pytest -q -n auto --dist loadscope --no-loadscope-reorder --durations=25 tests
 
 test-fast: install
-	$(PY) -m pytest -q -n auto --dist loadscope -m "not real and not slow" tests
+	$(PY) -m pytest -q -n auto --dist loadscope --no-loadscope-reorder -m "not real and not slow" tests

@@ -31,6 +31,38 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
+# The modules that take longest (results/test_durations_avx2_zen3.json), run first: xdist hands each worker whole
+# modules (--dist loadscope --no-loadscope-reorder) in this order, so no long module is left for the end while the
+# other worker idles.
+LONGEST_FIRST = ("test_distributed", "test_static_runner", "test_inference_trained", "test_batch", "test_trainer",
+                 "test_inference_real", "test_drafters", "test_finetune", "test_collect", "test_inference_greedy")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the rest keep their order
+
+
+_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration  # setup + call + teardown
+
+
+def pytest_sessionfinish(session):
+    """Every test's seconds, slowest first, in .pytest_cache/durations.json (in the controller under xdist): the
+    whole table behind --durations=25."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or not _durations:
+        return
+    import json
+
+    path = REPO / ".pytest_cache" / "durations.json"
+    path.parent.mkdir(exist_ok=True)
+    table = sorted(_durations.items(), key=lambda item: -item[1])
+    path.write_text(json.dumps([{"test": name, "s": round(s, 2)} for name, s in table], indent=1) + "\n")
+
+
 RUNNERS = ("static", "eager")  # every losslessness test runs against both target runners
 
 

@@ -97,6 +97,11 @@ def test_every_single_row_forward_takes_the_kv_cache_by_the_installed_keyword():
     no_deprecated_cache_keyword(caught)
 
 
+# the methods that run the target's own layers or weights (where an architecture differs): every method on Llama,
+# these on Qwen2 and Mistral too (the head's tree, its windowed KV and the lookup branch draft the same way on each)
+ARCH_METHODS = ("plain", "head", "self", "self_int8")
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_batch_greedy_matches_each_row_alone(arch):
     """fp32, B = 4 rows of different lengths: a random target with random heads (rejections everywhere), and a
@@ -107,7 +112,8 @@ def test_batch_greedy_matches_each_row_alone(arch):
         for target in (tiny_model(arch), near_bigram_target(arch)):
             rows = row_prompts(target.config.vocab_size)
             for name, gen in generators(target).items():
-                assert_rows_match(gen, target, rows, max_new=24, eos=None)
+                if arch == "llama" or name in ARCH_METHODS:
+                    assert_rows_match(gen, target, rows, max_new=24, eos=None)
     no_deprecated_cache_keyword(caught)
 
 
@@ -298,7 +304,8 @@ def test_batch_sampling_follows_the_target_per_row():
     prompt). Each batch holds every prompt `copies` times (rows in the order p0 p1 p2 p0 p1 p2 ...), so one
     verification samples 3 x copies rows; a draw shared between rows would repeat samples and fail the test."""
     params = SamplingParams(True, 0.7, 0, 0.9)
-    target = near_bigram_target("llama", eps=0.02, vocab_size=16)
+    # thousands of draws: a two-layer target (the law compared against is its own, whatever its depth)
+    target = near_bigram_target("llama", eps=0.02, vocab_size=16, num_layers=2)
     rows = [torch.tensor([[5, 9, 4]]), torch.tensor([[7, 2]]), torch.tensor([[3, 3, 12, 8]])]
     draws, copies = 2000, 50
     ids, mask = left_padded(rows * copies)

@@ -11,11 +11,19 @@ import torch
 from test_trainer import PY, REPO, env, head_tensors, make_run, read_log, run_train
 
 
-def test_init_from_continues_a_trained_head(tmp_path):
-    from drafthead.export import export_head
-
+@pytest.fixture(scope="module")
+def start_head(tmp_path_factory):
+    """A head trained 12 steps on a tiny run (the recipe, its folder): the start of every fine-tune here."""
+    tmp_path = tmp_path_factory.mktemp("start")
     recipe = make_run(tmp_path, max_steps=12, eval_every=12, save_every=12)
     run_train(recipe)
+    return recipe, tmp_path
+
+
+def test_init_from_continues_a_trained_head(start_head):
+    from drafthead.export import export_head
+
+    recipe, tmp_path = start_head
     start = tmp_path / "out" / "final"
     trained_eval = read_log(tmp_path / "out")[-1]
     exported = export_head(start, tmp_path / "exported")
@@ -42,10 +50,8 @@ def test_init_from_continues_a_trained_head(tmp_path):
     assert torch.equal(head_tensors(out / "final")["fc.weight"], head_tensors(start)["fc.weight"])
 
 
-def test_init_from_refuses_other_aux_layers_and_kind(tmp_path):
-    recipe = make_run(tmp_path, n_train=8, n_val=4, max_steps=2, eval_every=2, save_every=2)
-    run_train(recipe)
-    start = tmp_path / "out" / "final"
+def test_init_from_refuses_other_aux_layers_and_kind(start_head, tmp_path):
+    recipe, start = start_head[0], start_head[1] / "out" / "final"
     for override, message in (("head.aux_layer_ids=[0,1,2]", "drop head.aux_layer_ids"),
                               ("head.kind=eagle1", "head kind")):
         proc = subprocess.run([PY, "-m", "train", str(recipe), f"head.init_from={start}", override,

@@ -137,7 +137,8 @@ def sample_first_two(gen: SpeculativeGenerator, prompt: torch.Tensor, params: Sa
 @pytest.mark.parametrize("params", SETTINGS[1:], ids=["t0.7-p0.9"])
 def test_generate_samples_exactly(params, runner):
     """End to end through SpeculativeGenerator: joint law of the first two new tokens vs the target's own."""
-    target = near_bigram_target("llama", eps=0.02, vocab_size=16)
+    # thousands of draws: a two-layer target (the law compared against is its own, whatever its depth)
+    target = near_bigram_target("llama", eps=0.02, vocab_size=16, num_layers=2)
     gen = SpeculativeGenerator(target, oracle_head(target).attach_target(target), tree=TreeOptions(3, 3, 6),
                                runner=runner)
     prompt = torch.tensor([[5, 9, 4]])
