@@ -25,10 +25,17 @@ from drafthead.paths import cache_dir  # noqa: E402
 
 def pytest_configure(config):
     """Under xdist, each worker takes its share of the cores: the tiny models gain nothing from more threads, and
-    two workers' OpenMP pools on the same cores only contend."""
+    two workers' OpenMP pools on the same cores only contend. The xdist controller first builds this CPU's C++
+    kernels (inference/cpu_kernels.py) with every core, once, so that no worker builds them inside a test while
+    the other waits for its lock."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    elif getattr(config.option, "numprocesses", None):
+        from inference.cpu_kernels import avx2_kernels_available, kernels_available
+
+        kernels_available()
+        avx2_kernels_available()
 
 
 # The modules that take longest (results/test_durations_avx2_zen3.json), run first: xdist hands each worker whole
