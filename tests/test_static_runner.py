@@ -214,8 +214,8 @@ def test_compiled_runner_is_lossless_without_recompiles(drafting):
 
 
 def grow_past_warmed_buffers(compile_target: bool, tree: TreeOptions):
-    """Warm a generator up on short sequences, then decode a 500-token prompt: the buffers must grow. Returns the
-    generator, its output and the capacities (target, head) before."""
+    """Warm a generator up on short sequences, then decode a 500-token prompt: both buffers grow, and the output
+    still equals generate. Returns the generator and the prompt."""
     target = near_bigram_target("llama", num_layers=2)
     head = oracle_head(target).attach_target(target)
     runner = StaticRunner(target, head.config.aux_layer_ids, compile=compile_target, buckets=(8,))
@@ -275,8 +275,6 @@ def test_compiled_runners_of_different_models_never_share_graphs():
     """Frozen weights are baked into a compiled graph: two targets (and two heads) compiled in one process must
     each run their own weights. (Two-layer targets, one 8-token verify bucket: inductor's GEMM templates of the
     small buckets, costly to tune, are test_compiled_runner_is_lossless_without_recompiles' subject.)"""
-    from inference.head_runner import HeadRunner
-
     a, b = tiny_model("llama", seed=0, num_layers=2), tiny_model("llama", seed=1, num_layers=2)
     prompt = prompts(1, 320, seed=7)[0]
     for model in (a, b):
@@ -293,8 +291,6 @@ def test_compiled_runners_of_different_models_never_share_graphs():
 def test_compiled_heads_of_different_weights_never_share_graphs():
     """Likewise for the head: two heads of one target, each drafting step compiled whole, each drafts with its own
     weights (the tree of the eager step)."""
-    from inference.head_runner import HeadRunner
-
     a = tiny_model("llama", seed=0, num_layers=2)
     prompt = prompts(1, 320, seed=7)[0]
     heads = [oracle_head(a).attach_target(a), oracle_head(a).attach_target(a)]
