@@ -93,12 +93,14 @@ def shallow_copy_of(model, layers: int):
 
 @pytest.mark.real
 @pytest.mark.parametrize("drafter", ["prompt_lookup", "hybrid", "draft_model"])
-def test_smollm2_every_drafter_greedy_lossless(smollm2, smollm2_path, head_dir, greedy, drafter, runner="static"):
+def test_smollm2_every_drafter_greedy_lossless(smollm2, smollm2_path, head_dir, greedy, drafter):
     """Each drafter on the real target through the static runner, the one decoding uses (each drafter on the eager
     runner: the tiny-model tests of test_drafters.py; the real target on the eager runner: the head's test above)."""
     from transformers import AutoTokenizer
 
     from inference.draft_model import DraftModelDrafter
+
+    runner = "static"
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     if drafter == "prompt_lookup":
