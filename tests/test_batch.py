@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 from test_inference_greedy import TREES, near_bigram_target, oracle_head, random_head
-from test_inference_sampling import chi_square_p, first_two_law
+from test_inference_sampling import chi_square_p, first_two_law, sampling_target
 from tiny import tiny_model
 
 from inference import SamplingParams, SpeculativeGenerator
@@ -304,8 +304,7 @@ def test_batch_sampling_follows_the_target_per_row():
     prompt). Each batch holds every prompt `copies` times (rows in the order p0 p1 p2 p0 p1 p2 ...), so one
     verification samples 3 x copies rows; a draw shared between rows would repeat samples and fail the test."""
     params = SamplingParams(True, 0.7, 0, 0.9)
-    # thousands of draws: a two-layer target (the law compared against is its own, whatever its depth)
-    target = near_bigram_target("llama", eps=0.02, vocab_size=16, num_layers=2)
+    target = sampling_target()
     rows = [torch.tensor([[5, 9, 4]]), torch.tensor([[7, 2]]), torch.tensor([[3, 3, 12, 8]])]
     draws, copies = 2000, 50
     ids, mask = left_padded(rows * copies)

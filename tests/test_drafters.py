@@ -9,7 +9,7 @@ import statistics
 import pytest
 import torch
 from test_inference_greedy import near_bigram_target, oracle_head, prompts, random_head
-from test_inference_sampling import chi_square_p, first_two_law, sample_first_two
+from test_inference_sampling import chi_square_p, first_two_law, sample_first_two, sampling_target
 from tiny import tiny_model, tiny_tokenizer
 
 import inference.verify
@@ -232,8 +232,7 @@ def test_draft_model_generate_samples_exactly(runner):
     """End to end: the draft model's sampled chains, verified by the generator, give the target's joint law of the
     first two new tokens."""
     params = SamplingParams(True, 0.8, 0, 1.0)
-    # thousands of draws: a two-layer target (the law compared against is its own, whatever its depth)
-    target = near_bigram_target("llama", eps=0.02, vocab_size=16, num_layers=2)
+    target = sampling_target()
     draft = tiny_model("llama", seed=4, vocab_size=16, num_layers=2)  # q unlike p
     gen = SpeculativeGenerator(target, DraftModelDrafter(draft, 16, gamma=2, runner=runner), runner=runner)
     prompt = torch.tensor([[5, 9, 4]])

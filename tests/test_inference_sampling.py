@@ -110,6 +110,12 @@ def test_verifier_is_exact(params):
     assert longest >= 3
 
 
+def sampling_target():
+    """The target of the end-to-end chi-square tests: a 16-token near-bigram Llama (drafts are often accepted) of
+    two layers, since the tests draw thousands of times and the law they check is the target's own at any depth."""
+    return near_bigram_target("llama", eps=0.02, vocab_size=16, num_layers=2)
+
+
 def first_two_law(target, prompt: torch.Tensor, params: SamplingParams) -> dict:
     """The target's exact joint law of its first two sampled tokens after `prompt` (a 16-token vocabulary)."""
     with torch.inference_mode():
@@ -137,8 +143,7 @@ def sample_first_two(gen: SpeculativeGenerator, prompt: torch.Tensor, params: Sa
 @pytest.mark.parametrize("params", SETTINGS[1:], ids=["t0.7-p0.9"])
 def test_generate_samples_exactly(params, runner):
     """End to end through SpeculativeGenerator: joint law of the first two new tokens vs the target's own."""
-    # thousands of draws: a two-layer target (the law compared against is its own, whatever its depth)
-    target = near_bigram_target("llama", eps=0.02, vocab_size=16, num_layers=2)
+    target = sampling_target()
     gen = SpeculativeGenerator(target, oracle_head(target).attach_target(target), tree=TreeOptions(3, 3, 6),
                                runner=runner)
     prompt = torch.tensor([[5, 9, 4]])
