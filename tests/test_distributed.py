@@ -45,19 +45,28 @@ def launch(recipe: Path, stage: int, *overrides: str, timeout: int = 300, proces
     return run_cmd(launch_cmd(recipe, stage, *overrides, processes=processes), timeout)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stage,precision", [(2, "fp32"), (3, "bf16")])
-def test_ranks_synchronise(tmp_path, stage, precision):
-    recipe = make_run(tmp_path, n_train=16, n_val=8, max_steps=3, save_every=100, eval_every=3,
-                      mixed_precision=precision, debug_report=True)
-    output = launch(recipe, stage)
+# One 2-process ZeRO-2 run serves two tests: the synchronisation checks and the uninterrupted reference of the
+# SIGKILL resume (which launches the same recipe in another folder).
+ZERO2_RUN = dict(n_train=16, n_val=8, max_steps=12, save_every=6, eval_every=2, batch_size=2, debug_report=True)
+
+
+@pytest.fixture(scope="module")
+def zero2_run(tmp_path_factory) -> tuple[Path, str]:
+    """(run folder, launcher output) of the uninterrupted 12-step fp32 ZeRO-2 run."""
+    folder = tmp_path_factory.mktemp("zero2")
+    return folder, launch(make_run(folder, **ZERO2_RUN), 2)
+
+
+def check_synchronised(output: str, out: Path, stage: int, steps: int) -> None:
+    """The ranks of a finished run trained on different sequences, yet hold the same parameters (every one
+    updated), the same draft vocabulary and float32 RoPE; rank 0 saved those parameters."""
     assert f"engine=DeepSpeedEngine zero_stage={stage} world_size=2" in output
-    out = tmp_path / "out"
     ranks = [json.loads((out / "ranks" / f"rank-{r}.json").read_text()) for r in (0, 1)]
     assert [r["engine"] for r in ranks] == ["DeepSpeedEngine"] * 2
     assert [r["world_size"] for r in ranks] == [2, 2]
-    seen = [{i for batch in r["seen"] for i in batch} for r in ranks]
-    assert seen[0] and seen[1] and not seen[0] & seen[1], "ranks must train on different sequences"
+    assert len(ranks[0]["seen"]) == len(ranks[1]["seen"]) == steps
+    for a, b in zip(ranks[0]["seen"], ranks[1]["seen"]):  # (a run of several epochs sees a sequence again later)
+        assert a and b and not set(a) & set(b), "at each step the ranks must train on different sequences"
     # Different data, yet identical parameters after the steps: the gradients were averaged.
     assert ranks[0]["param_sums"] == ranks[1]["param_sums"]
     assert ranks[0]["initial_param_sums"] == ranks[1]["initial_param_sums"]
@@ -71,8 +80,21 @@ def test_ranks_synchronise(tmp_path, stage, precision):
     for name, value in ranks[0]["param_sums"].items():
         assert abs(float(final[name].double().sum()) - value) <= 1e-3 * max(1.0, abs(value)), name
     log = read_log(out)
-    assert [r["step"] for r in log] == [1, 2, 3]
+    assert [r["step"] for r in log] == list(range(1, steps + 1))
     check_eval_tau(log[-1], ttt_steps=3)
+
+
+@pytest.mark.slow
+def test_ranks_synchronise_zero2_fp32(zero2_run):
+    folder, output = zero2_run
+    check_synchronised(output, folder / "out", stage=2, steps=ZERO2_RUN["max_steps"])
+
+
+@pytest.mark.slow
+def test_ranks_synchronise_zero3_bf16(tmp_path):
+    recipe = make_run(tmp_path, n_train=16, n_val=8, max_steps=3, save_every=100, eval_every=3,
+                      mixed_precision="bf16", debug_report=True)
+    check_synchronised(launch(recipe, 3), tmp_path / "out", stage=3, steps=3)
 
 
 def _wait_then_kill(proc: subprocess.Popen, log: Path, step: int, timeout: float = 240) -> int:
@@ -99,11 +121,11 @@ def _wait_then_kill(proc: subprocess.Popen, log: Path, step: int, timeout: float
 
 
 @pytest.mark.slow
-def test_exact_resume_after_sigkill(tmp_path):
-    common = dict(n_train=16, n_val=8, max_steps=12, save_every=6, eval_every=2, batch_size=2)
-    straight = make_run(tmp_path / "a", **common)
-    launch(straight, 2)
-    killed = make_run(tmp_path / "b", **common)
+def test_exact_resume_after_sigkill(tmp_path, zero2_run):
+    """The ZeRO-2 run SIGKILLed (launcher, agent and ranks) after step 8, then launched again: it resumes from
+    checkpoint-6 and ends with the uninterrupted run's weights and the same loss, accuracy, lr and eval per step."""
+    straight, _ = zero2_run
+    killed = make_run(tmp_path / "b", **ZERO2_RUN)
     proc = subprocess.Popen(launch_cmd(killed, 2), cwd=REPO, env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     last = _wait_then_kill(proc, tmp_path / "b" / "out" / "log.jsonl", 8)
@@ -115,11 +137,11 @@ def test_exact_resume_after_sigkill(tmp_path):
     output = launch(killed, 2)  # the same command again: resumes from checkpoint-6
     assert "resumed from" in output and "checkpoint-6 at step 6" in output
 
-    a, b = head_tensors(tmp_path / "a" / "out" / "final"), head_tensors(out_b / "final")
+    a, b = head_tensors(straight / "out" / "final"), head_tensors(out_b / "final")
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0, msg=name)
-    log_a, log_b = read_log(tmp_path / "a" / "out"), read_log(out_b)
+    log_a, log_b = read_log(straight / "out"), read_log(out_b)
     assert [r["step"] for r in log_b] == list(range(1, 13))
     for ra, rb in zip(log_a, log_b):
         for key in ("loss", "acc_0", "lr") + (("eval_loss", "eval_tau", "eval_acc_1") if "eval_tau" in ra else ()):

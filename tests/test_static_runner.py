@@ -181,35 +181,39 @@ def test_sliding_window_target_falls_back_to_eager(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafting", [False, True], ids=["plain", "tree"])
-def test_compiled_runner_is_lossless_without_recompiles(drafting):
-    """torch.compile'd verify steps (one graph per bucket: 1 for plain decoding, 8 for the tree; inductor's GEMM
-    templates for the one-token bucket) and the head's drafting step (one graph for the tree): greedy output
-    identical to generate, and a second round of prompts compiles nothing new. Two decoder layers: what compiles
-    is one layer's code, and each graph costs less to build."""
+@pytest.mark.parametrize("compiled", ["plain", "verify", "drafting"])
+def test_compiled_runner_is_lossless_without_recompiles(compiled):
+    """Each compiled part of decoding, one per case: the target's verify step for plain decoding (the one-token
+    bucket, with inductor's GEMM templates) and for a tree (the 8-token bucket), each with the prompt-chunk graph,
+    and the head's drafting step compiled whole. Greedy output identical to generate, and a second round of
+    prompts compiles nothing new. The parts are proven apart: the output is the verify step's whatever the head
+    drafts. One-layer targets: what compiles is one layer's code, and each graph costs less to build."""
     from torch._dynamo.utils import counters
 
-    target = near_bigram_target("llama", num_layers=2)
+    target = near_bigram_target("llama", num_layers=1)
     head = oracle_head(target).attach_target(target)
-    bucket = 8 if drafting else 1
-    runner = StaticRunner(target, head.config.aux_layer_ids, compile=True, buckets=(bucket,))
-    if drafting:  # the head's drafting step compiled whole
-        gen = SpeculativeGenerator(target, head, tree=TreeOptions(depth=2, top_k=2, total_tokens=4), runner=runner,
-                                   compile=True)
-    else:
+    tree = TreeOptions(depth=2, top_k=2, total_tokens=4)
+    if compiled == "plain":
+        runner = StaticRunner(target, [], compile=True, buckets=(1,))
         gen = SpeculativeGenerator(target, None, tree="none", runner=runner)
+    else:
+        runner = StaticRunner(target, head.config.aux_layer_ids, compile=compiled == "verify", buckets=(8,))
+        gen = SpeculativeGenerator(target, head, tree=tree, runner=runner, compile=compiled == "drafting")
     g = torch.Generator().manual_seed(4)
     # short prompts (padded to one 17-row chunk) and longer ones (one 40-row chunk; two chunks of 75): one
     # prompt-chunk graph for all of them
     batch = prompts(6, 320, seed=3) + [torch.randint(3, 320, (1, n), generator=g) for n in (40, 150)]
-    gen.warmup(192)  # the first round compiles the bucket and the prompt-chunk graph
-    assert set(runner.compile_s) == {bucket, "prefill"}
+    gen.warmup(192)  # the first round compiles the step and the prompt-chunk graph
+    if compiled == "drafting":
+        assert gen.drafter.runner.compiled and not runner.compiled
+    else:
+        assert set(runner.compile_s) == {runner.buckets[0], "prefill"}
     graphs = counters["stats"]["unique_graphs"]
     for ids in batch:
         ref = target.generate(ids, do_sample=False, max_new_tokens=20)
         assert torch.equal(gen.generate(ids, max_new_tokens=20).sequences, ref), ids.tolist()
     assert counters["stats"]["unique_graphs"] == graphs  # no recompile while generating
-    if drafting:
+    if compiled != "plain":
         assert gen.generate(batch[0], max_new_tokens=20).stats.mean_accepted > 1.5
 
 
