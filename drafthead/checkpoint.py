@@ -14,12 +14,9 @@ from safetensors.torch import load_file
 from .config import HeadConfig
 from .format import CONFIG_NAME, FROZEN_PREFIXES, NATIVE_KEY, WEIGHTS_METADATA, WEIGHTS_NAME, native_tensor_names, \
     text_config
+from .errors import HeadMismatchError, PathNotFound
 from .model import DraftHead
 from .utils import SAFETENSORS_DTYPES, atomic_save_safetensors, atomic_write_json, place_module
-
-
-class HeadMismatchError(ValueError):
-    """A head and a target (or an expected head kind) disagree; the message names the differing field."""
 
 
 def check_compatible(config: HeadConfig, target_config: Any, kind: str | None = None) -> None:
@@ -81,7 +78,7 @@ def load_head(
     path = Path(path)
     for name in (CONFIG_NAME, WEIGHTS_NAME):
         if not (path / name).exists():
-            raise FileNotFoundError(f"no {name} in {path}: not a draft-head folder")
+            raise PathNotFound(f"no {name} in {path}: not a draft-head folder")
     values = json.loads((path / CONFIG_NAME).read_text())
     config = HeadConfig.from_folder_config(values, target.config if target is not None else None)
     if target is not None:

@@ -17,10 +17,11 @@ from safetensors.torch import load_file
 
 from .checkpoint import load_head
 from .format import ARCHITECTURES, CONFIG_NAME, NATIVE_KEY, NATIVE_LAYER, SERVING_LAYER, WEIGHTS_NAME, vllm_aux_ids
+from .errors import UserError
 from .model import DraftHead
 
 
-class ExportValidationError(ValueError):
+class ExportValidationError(UserError, ValueError):
     """An exported folder that a serving engine would load wrongly; the message says what is wrong."""
 
 

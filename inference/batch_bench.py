@@ -218,7 +218,7 @@ def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    model, tokenizer = load_causal_lm(args.target, dtype)
+    model, tokenizer = load_causal_lm(args.target, dtype, what="target")
     model = place_module(model, device, dtype).eval()
     head = load_head(args.draft, target=model, device=device, dtype=dtype) if args.draft else None
     # the self-draft's step and the target's verify steps (one graph per batch and tree size)

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from drafthead.errors import run_main
 from drafthead.hardware import cpu_flags, resolve_dtype
 from drafthead.paths import cache_dir
 from drafthead.utils import atomic_write_json
@@ -37,6 +38,7 @@ from .draft_vocab import (AUTO_SIZES, AUTO_TUNING_SIZE, assistant_token_counts, 
                           vocab_candidates)
 from .engine import SpeculativeGenerator, accept_histogram
 from .jsonl import iter_jsonl
+from .loading import resolve_source
 from .prompt_lookup import PromptLookupDrafter
 from .runner import make_runner
 from .static_runner import compile_setting
@@ -329,8 +331,9 @@ def load_target_and_prompts(args, device: torch.device, dtype: torch.dtype) -> t
     """The target model, its tokenizer, and the prompts as chat-templated ids."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
+    target = resolve_source(args.target, "target")
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval()
     prompts = load_prompts(args.prompts, args.num_prompts, args.category)
     if not prompts:
         raise SystemExit(f"no prompts in {args.prompts}" + (f" of category {args.category!r}" if args.category else ""))
@@ -551,6 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`python -m inference.bench ...`; a user error (missing head or prompts file, mismatched head) is one line."""
     args = build_parser().parse_args(argv)
     if batch_bench.wants_batch_bench(args):
         result = batch_bench.run_batch_bench(batch_bench.normalise(args),
@@ -574,4 +578,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))

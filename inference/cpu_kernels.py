@@ -5,14 +5,21 @@ float32 counterparts for CPUs where float32 is the fast dtype: small_gemm_avx2.c
 
 They are compiled on first use with the C++ compiler PyTorch's own CPU compilation needs (~40 s, cached in torch's
 extension folder), only where the CPU has the instructions (AVX512-BF16's `vdpbf16ps`; AVX2 and FMA); elsewhere
-nothing changes.
+nothing changes. Each build has its own folder per digest of its sources, headers and flags (two checkouts or
+versions never rebuild each other's), and is made under an OS file lock: a build killed half way leaves nothing
+that blocks the next (its lock dies with it), and a process that waits longer than DRAFTHEAD_KERNEL_BUILD_TIMEOUT
+seconds (default 600) for another's build goes on without the kernels, saying so.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,25 +32,71 @@ AVX2_SOURCES = ("small_gemm_avx2.cpp", "prefix_attention_avx2.cpp")
 FLOAT_BLOCK = 16  # output columns per packed float32 weight block (small_gemm_avx2.cpp)
 
 
-def _build(name: str, sources: tuple[str, ...], flags: list[str], what: str) -> bool:
-    """Compile and load one extension of this folder's C++ sources; False (with a note) where that fails."""
+def build_timeout() -> float:
+    """Seconds to wait for another process's build of the same kernels (DRAFTHEAD_KERNEL_BUILD_TIMEOUT)."""
+    return float(os.environ.get("DRAFTHEAD_KERNEL_BUILD_TIMEOUT", 600))
+
+
+@contextlib.contextmanager
+def build_lock(folder: Path, timeout: float):
+    """An exclusive OS lock on `folder` (released by the kernel when its holder dies, however it dies); raises
+    TimeoutError after `timeout` seconds of waiting."""
+    with open(folder / "build.flock", "w") as f:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has been building in {folder} for over {timeout:.0f} s")
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _cflags(flags: list[str]) -> list[str]:
+    # -fopenmp: at::parallel_for is a header template that runs serially unless the extension itself is built
+    # with OpenMP
+    return ["-O3", *flags, "-fopenmp"]
+
+
+def build_folder(name: str, paths: list[Path], flags: list[str]) -> Path:
+    """The build folder of extension `name` from these sources, the headers beside them and these flags: one per
+    digest of all of them (and of torch's version), in torch's extension folder (TORCH_EXTENSIONS_DIR)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    digest = hashlib.sha256(repr((_cflags(flags), torch.__version__)).encode())
+    for path in sorted(paths) + sorted(paths[0].parent.glob("*.h")):
+        digest.update(path.name.encode() + path.read_bytes())
+    return Path(_get_build_directory(f"{name}-{digest.hexdigest()[:12]}", verbose=False))
+
+
+def _build(name: str, paths: list[Path], flags: list[str], what: str, timeout: float | None = None) -> bool:
+    """Compile and load one extension of C++ sources (headers beside them included); False (with a note) where
+    that fails or waits past `timeout` seconds (default build_timeout())."""
     from torch.utils.cpp_extension import load
 
-    paths = [str(Path(__file__).with_name(source)) for source in sources]
-    # torch rebuilds an extension when its sources or flags change, not its headers: their digest is a flag
-    headers = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(Path(__file__).parent.glob("*.h"))))
+    cflags = _cflags(flags)
+    folder = build_folder(name, paths, flags)
     try:
-        # -fopenmp: at::parallel_for is a header template that runs serially unless the extension itself is built
-        # with OpenMP
-        cflags = ["-O3", *flags, "-fopenmp", f"-DHEADERS={headers.hexdigest()[:16]}"]
-        load(name=name, sources=paths, extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False,
-             verbose=False)
-    except Exception as error:  # no compiler, or one without these instructions: PyTorch's own ops stay in use
+        with build_lock(folder, build_timeout() if timeout is None else timeout):
+            # torch's own lock file, left behind only by a build that was killed: under our lock nobody else builds
+            (folder / "lock").unlink(missing_ok=True)
+            load(name=name, sources=[str(p) for p in paths], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                 build_directory=str(folder), is_python_module=False, verbose=False)
+    except Exception as error:  # no compiler, one without these instructions, or a build that never ends
         reason = str(error).strip().splitlines()[-1][:200]
-        print(f"[drafthead] {what} kernels not used (building {', '.join(sources)} failed: {reason})",
+        print(f"[drafthead] {what} kernels not used (building {', '.join(p.name for p in paths)} failed: {reason})",
               file=sys.stderr)
         return False
     return True
+
+
+def _sources(names: tuple[str, ...]) -> list[Path]:
+    return [Path(__file__).with_name(name) for name in names]
 
 
 @functools.cache
@@ -52,7 +105,7 @@ def kernels_available() -> bool:
     if "avx512_bf16" not in cpu_flags():  # (every CPU with AVX512-BF16 also has AVX512-VNNI, used for int8)
         return False
     flags = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]
-    if not _build("drafthead_cpu_kernels", SOURCES, flags, "AVX512-BF16"):
+    if not _build("drafthead_cpu_kernels", _sources(SOURCES), flags, "AVX512-BF16"):
         return False
 
     @torch.library.register_fake("drafthead_kernels::small_linear")
@@ -77,7 +130,7 @@ def avx2_kernels_available() -> bool:
     AVX2 and FMA."""
     if "avx2" not in cpu_flags():  # (every x86 CPU with AVX2 has FMA too: Haswell, Zen)
         return False
-    if not _build("drafthead_avx2_kernels", AVX2_SOURCES, ["-mavx2", "-mfma"], "AVX2"):
+    if not _build("drafthead_avx2_kernels", _sources(AVX2_SOURCES), ["-mavx2", "-mfma"], "AVX2"):
         return False
 
     @torch.library.register_fake("drafthead_avx2::small_linear")

@@ -55,7 +55,7 @@ def load_draft_model(source: str | Path | nn.Module, target: nn.Module, target_t
     """A smaller causal LM (folder or loaded model) on the target's device and dtype, in eval mode; refused with
     TokenizerMismatchError when its tokenizer differs from the target's."""
     ref = next(target.parameters())
-    model, tokenizer = load_causal_lm(source, ref.dtype)
+    model, tokenizer = load_causal_lm(source, ref.dtype, what="draft model")
     model = place_module(model, ref.device, ref.dtype).eval()
     check_same_tokenizer(model, target, tokenizer, target_tokenizer)
     return model

@@ -15,6 +15,7 @@ the path is then cut where plain decoding would have stopped.
 from __future__ import annotations
 
 import json
+import numbers
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -43,7 +44,7 @@ from .draft_vocab import assistant_token_counts, default_corpus, frequent_tokens
 from .drafter import Drafter, PlainDrafter
 from .head_runner import head_runner_for
 from .hybrid import HybridDrafter
-from .loading import load_causal_lm
+from .loading import load_causal_lm, resolve_source
 from .prompt_lookup import PromptLookupDrafter
 from .runner import make_runner
 from .self_draft import StreamingSelfDrafter
@@ -332,13 +333,15 @@ class SpeculativeGenerator:
             on = device or (next(target.parameters()).device if isinstance(target, nn.Module) else "cpu")
             dtype = resolve_dtype("auto", on)
         dtype = parse_dtype(dtype)
-        model, tokenizer = load_causal_lm(target, dtype, tokenizer)
+        model, tokenizer = load_causal_lm(target, dtype, tokenizer, what="target")
         model = place_module(model, device, dtype).eval()
         ref = next(model.parameters())
         if draft_vocab is not None and tokenizer is None:
             raise ValueError("draft_vocab counts tokens with the target's tokenizer: pass tokenizer=")
         if draft_weights != "same" and not (isinstance(draft, str) and draft == "self"):
             raise ValueError(f"draft_weights={draft_weights!r} applies to the self-draft (draft='self') only")
+        if isinstance(draft, (str, Path)) and str(draft) not in ("prompt-lookup", "self"):
+            draft = resolve_source(draft, "draft")  # a local folder (head or model), else a Hub id where allowed
         if isinstance(draft, str) and draft == "prompt-lookup":
             draft = PromptLookupDrafter(lookup_tokens)
         elif isinstance(draft, str) and draft == "self":
@@ -403,6 +406,10 @@ class SpeculativeGenerator:
         input_ids = torch.as_tensor(input_ids)
         if input_ids.dim() > 2:
             raise ValueError(f"input_ids must be (B, T) or (T,), got {tuple(input_ids.shape)}")
+        if input_ids.numel() == 0:
+            raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}): give at least one prompt token")
+        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
         input_ids = input_ids.view(-1 if input_ids.dim() == 2 else 1, input_ids.shape[-1]).to(self.device)
         padded = attention_mask is not None and not bool(torch.as_tensor(attention_mask).all())
         if input_ids.shape[0] > 1 or padded or self.batch_only:
@@ -505,6 +512,8 @@ class SpeculativeGenerator:
         params = SamplingParams.make(temperature, top_k, top_p, do_sample, gc)
         if max_new_tokens is None:
             max_new_tokens = getattr(gc, "max_new_tokens", None) or 20
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         if generator is None and seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
         return params, max_new_tokens, generator

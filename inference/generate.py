@@ -12,6 +12,8 @@ import sys
 
 import torch
 
+from drafthead.errors import run_main
+
 from .engine import SpeculativeGenerator
 from .tree import TREE_PRESETS
 
@@ -69,4 +71,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main(main))

@@ -1,22 +1,55 @@
-"""Loading Hugging Face causal LMs for the engine: a folder or name, or a model already in memory."""
+"""Loading Hugging Face causal LMs for the engine: a folder or Hub id, or a model already in memory."""
 
 from __future__ import annotations
 
+import os
+import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from drafthead.errors import PathNotFound
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # namespace/name
+
+
+def hub_allowed() -> bool:
+    """Whether the user lets transformers reach the Hugging Face Hub (HF_HUB_OFFLINE unset or 0)."""
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("0", "false", "no", "")
+
+
+def resolve_source(source: str | Path, what: str) -> str:
+    """A model reference as transformers should load it. A local path stays a local path (`~` expanded) and must
+    exist; a `namespace/name` that is no local folder is a Hub id, tried only where the Hub is allowed (said on
+    stderr). Raises PathNotFound naming `what` otherwise."""
+    text = str(source)
+    path = Path(text).expanduser()
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").exists():
+            raise PathNotFound(f"{what} {path}: not a model folder (no config.json)")
+        return str(path)
+    if isinstance(source, Path) or not _HUB_ID.fullmatch(text) or text.startswith((".", "~")):
+        raise PathNotFound(f"{what} {path}: no such folder")
+    if not hub_allowed():
+        raise PathNotFound(f"{what} {text}: no such folder (and not looked up on the Hugging Face Hub: "
+                           "HF_HUB_OFFLINE is set)")
+    print(f"[drafthead] {what} {text}: no local folder of that name, loading it from the Hugging Face Hub",
+          file=sys.stderr)
+    return text
+
 
 def load_causal_lm(source: str | Path | nn.Module, dtype: torch.dtype | None = None,
-                   tokenizer: Any = None) -> tuple[nn.Module, Any]:
-    """A causal LM (folder or name, or an already loaded model) and its tokenizer (the given one, else the
+                   tokenizer: Any = None, what: str = "model") -> tuple[nn.Module, Any]:
+    """A causal LM (folder or Hub id, or an already loaded model) and its tokenizer (the given one, else the
     folder's if it has one). dtype None keeps the checkpoint's."""
     if not isinstance(source, (str, Path)):
         return source, tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    source = resolve_source(source, what)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype if dtype is not None else "auto")
     if tokenizer is None:
         try:

@@ -8,6 +8,7 @@ take generate's global defaults (temperature 1.0, top_k 50, top_p 1.0).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,12 @@ class SamplingParams:
         generation_config.do_sample (off by default, as in generate).
         """
         gc = generation_config
+        if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k is not None and top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
         if do_sample is None:
             do_sample = temperature > 0 if temperature is not None else bool(getattr(gc, "do_sample", False))
         pick = lambda name, value: value if value is not None else getattr(gc, name, None)  # noqa: E731

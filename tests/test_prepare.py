@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 
+from drafthead.errors import DataError
 from train.conversations import BadRecord, read_conversations
 from train.prepare import id_root, is_validation, prepare
 
@@ -83,7 +84,7 @@ def test_prepare_end_to_end(tmp_path, tiny_target_dir):
     ]
     write_jsonl(path, records)
     out = tmp_path / "prepared"
-    with pytest.raises(SystemExit, match=rf"{path}:27"):
+    with pytest.raises(DataError, match=rf"{path}:27.*data.skip_bad=true"):
         prepare(recipe(tiny_target_dir, path, out))
     assert not out.exists()
 

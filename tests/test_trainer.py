@@ -258,7 +258,8 @@ def test_decode_walk_follows_the_forwards_decoding_would_make():
 
 def test_loader_resume_exact(tmp_path):
     """DataLoader (2 workers) + log_every: 3 steps then a resume to 8 read the batches and reach the parameters
-    of one uninterrupted 8-step run; log records every 3 steps and at the last."""
+    of one uninterrupted 8-step run; log records every 3 steps and at the last. A resume with another seed is
+    refused, naming it, and leaves the run as it was."""
     common = dict(n_train=32, n_val=8, max_steps=8, save_every=100, eval_every=100, batch_size=2, grad_accum=2,
                   min_lr_ratio=1.0, num_workers=2, log_every=3, debug_report=True)  # constant lr after warmup
     recipe = make_run(tmp_path, **common)
@@ -266,6 +267,15 @@ def test_loader_resume_exact(tmp_path):
     out = tmp_path / "split"
     run_train(recipe, f"train.output_dir={out}", "train.max_steps=3")
     first = json.loads((out / "ranks" / "rank-0.json").read_text())
+    # a resume with another seed (another data order) is refused before it touches the run
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    refused = subprocess.run([PY, "-m", "train", str(recipe), f"train.output_dir={out}", "train.seed=1"], cwd=REPO,
+                             env=env(), capture_output=True, text=True, timeout=240)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"error: {out}/checkpoint-3 was trained on other inputs (train.seed: was 0, now 1): restore them to resume, "
+        "or train into another train.output_dir")
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
     proc = run_train(recipe, f"train.output_dir={out}")
     assert "resumed from" in proc.stdout + proc.stderr
     second = json.loads((out / "ranks" / "rank-0.json").read_text())

@@ -9,7 +9,9 @@ shard, sequences are sorted by length and packed into right-padded batches of at
 padded tokens. Right padding needs no attention mask: attention is causal, so a real token never sees a pad.
 One forward of the base model (no lm_head) with HiddenStateCapture records the aux layers and the last decoder
 layer (pre-norm) together. A finished shard is listed in the manifest only after its file is renamed into
-place, so re-running the same command skips it; a killed run redoes only the shard it was writing.
+place, so re-running the same command skips it; a killed run redoes only the shard it was writing. The manifest
+records what the features were made from (the prepared split's content, the target's config and weights, its
+dtype, the aux layers): a folder holding features of other inputs is refused, never extended or reused.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from tqdm import tqdm
 
 from drafthead.capture import HiddenStateCapture, decoder_layers
 from drafthead.config import default_aux_layer_ids
+from drafthead.errors import DataError, PathNotFound
 from drafthead.utils import atomic_write_json, dtype_name
 from train.features import MANIFEST, FeatureWriter, Sequence, shard_name
+from train.fingerprint import split_fingerprint, weights_fingerprint
 from train.recipe import Recipe, parse_recipe, recipe_main
 from train.target import load_target, target_config_hash, target_name
 
@@ -153,20 +157,22 @@ def collect(recipe: Recipe | dict) -> dict:
         device = torch.device("cuda", local_rank)
     prepared = Path(recipe.data.prepared_dir)
     if not prepared.exists():
-        raise SystemExit(f"error: {prepared} not found: run `python -m train.prepare RECIPE` first")
+        raise PathNotFound(f"{prepared} not found: run `python -m train.prepare RECIPE` first")
     data = load_from_disk(str(prepared))
     # features are stored bf16 either way; 'auto' computes them in bf16 only where the hardware is native bf16
     model = load_target(recipe.target, device=device, dtype=feats.target_dtype or recipe.dtype)
     aux = recipe.head.aux_layer_ids or default_aux_layer_ids(len(decoder_layers(model)))
     header = {"target": target_name(recipe.target), "target_config_hash": target_config_hash(recipe.target),
+              "target_weights": weights_fingerprint(recipe.target),
               "hidden_size": int(model.config.get_text_config().hidden_size),
               "target_dtype": dtype_name(model.dtype)}
     results = {}
     for name in feats.splits or ["train", "validation"]:
         if name not in data:
-            raise SystemExit(f"error: {prepared} has no split {name!r} (it has {list(data)})")
+            raise DataError(f"{prepared} has no split {name!r} (it has {list(data)}): check features.splits")
         results[name] = collect_split(
-            model, data[name], feats.split_dir(name), header, list(aux),
+            model, data[name], feats.split_dir(name), {**header, "data_fingerprint": split_fingerprint(data[name])},
+            list(aux),
             feats.shard_sequences, feats.batch_tokens, device, rank, world, desc=name,
         )
         print(f"{name}: {results[name]}")

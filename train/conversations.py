@@ -13,10 +13,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
+from drafthead.errors import DataError
+
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
-class BadRecord(ValueError):
+class BadRecord(DataError):
     """A conversation record that cannot be read; the message names where it is."""
 
 

@@ -1,7 +1,8 @@
 """Offline feature store: bf16 safetensors shards of target hidden states, with a manifest.
 
 Layout of a feature folder:
-    manifest.json                 target name + config hash, aux ids, dtype, sizes, and the FINISHED shards
+    manifest.json                 target name + config hash + weights fingerprint, the prepared data's fingerprint,
+                                  aux ids, dtype, sizes, and the FINISHED shards
     shard-00000.safetensors       many sequences concatenated on the token axis:
         input_ids   int32 (N,)            loss_mask  bool (N,)
         offsets     int64 (n+1,)          sequence j is tokens offsets[j]:offsets[j+1]
@@ -25,10 +26,15 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 
+from drafthead.errors import DataError
 from drafthead.utils import atomic_save_safetensors, atomic_write_json
+from train.fingerprint import differences
 
 FORMAT = "drafthead-features/1"
 MANIFEST = "manifest.json"
+# what a manifest's features were made from: a folder is only ever extended by a run with the same values
+CHECKED = ("target_config_hash", "target_weights", "target_dtype", "data_fingerprint", "aux_layer_ids",
+           "last_layer_id", "shard_sequences", "num_sequences_planned")
 
 
 def shard_name(index: int) -> str:
@@ -61,12 +67,10 @@ class FeatureWriter:
         path = self.folder / MANIFEST
         if path.exists():
             manifest = json.loads(path.read_text())
-            for key in ("target_config_hash", "aux_layer_ids", "shard_sequences", "num_sequences_planned"):
-                if key in header and manifest.get(key) != header[key]:
-                    raise ValueError(
-                        f"{path} was written with {key}={manifest.get(key)!r}, this run has {header[key]!r}; "
-                        "use another features folder or delete this one"
-                    )
+            changed = differences(manifest, {key: header[key] for key in CHECKED if key in header})
+            if changed:
+                raise DataError(f"{self.folder} holds features of other inputs ({'; '.join(changed)}): collect "
+                                "into another features.dir, or delete that folder to collect again")
         else:
             manifest = {"format": FORMAT, **header, "shards": []}
         self.manifest = manifest

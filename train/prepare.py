@@ -14,15 +14,19 @@ import hashlib
 import math
 import os
 import shutil
+import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from drafthead.errors import DataError
 from train.conversations import BadRecord, read_conversations
 from train.loss_mask import TemplateError, tokenize_with_mask
 from train.recipe import Recipe, parse_recipe, recipe_main
 from train.target import load_tokenizer
+
+MIN_VALIDATION = 8  # fewer validation conversations than this get a warning: their eval_* figures are noise
 
 
 def id_root(conversation_id: str) -> str:
@@ -91,16 +95,16 @@ def prepare(recipe: Recipe | dict) -> dict:
     data_cfg = recipe.data
     tokenizer = load_tokenizer(recipe.target)
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"the tokenizer of {recipe.target} has no chat template")
+        raise DataError(f"the tokenizer of {recipe.target} has no chat template")
     stats: Counter = Counter()
     try:
         conversations = read_conversations(data_cfg.conversations, skip_bad=data_cfg.skip_bad,
                                            limit=data_cfg.max_conversations, stats=stats,
                                            max_assistant_turns=data_cfg.max_assistant_turns)
     except BadRecord as e:
-        raise SystemExit(f"error: {e}\n(set data.skip_bad=true to skip and count malformed records)")
+        raise DataError(f"{e} (set data.skip_bad=true to skip and count malformed records)")
     if not conversations:
-        raise SystemExit(f"error: no conversations read from {data_cfg.conversations}")
+        raise DataError(f"no conversations read from {data_cfg.conversations}")
 
     num_proc = int(data_cfg.num_proc or min(4, os.cpu_count() or 1))
     num_proc = max(1, min(num_proc, len(conversations) // 64 or 1))  # tiny inputs: no worker pool
@@ -121,6 +125,15 @@ def prepare(recipe: Recipe | dict) -> dict:
         train=kept.select([j for j, v in enumerate(in_val) if not v]).cast(features),
         validation=kept.select([j for j, v in enumerate(in_val) if v]).cast(features),
     )
+    if len(splits["train"]) == 0:
+        raise DataError(f"all {len(kept)} conversations fell into the validation split: lower "
+                        f"data.validation_fraction (now {data_cfg.validation_fraction}) or add conversations")
+    if len(splits["validation"]) < MIN_VALIDATION:
+        print(f"warning: {len(splits['validation'])} validation conversations (data.validation_fraction="
+              f"{data_cfg.validation_fraction} of {len(kept)}): " + (
+                  "training will run without evaluation" if len(splits["validation"]) == 0 else
+                  "evaluation will be noisy") + "; raise data.validation_fraction or add conversations",
+              file=sys.stderr)
     save_dataset_atomic(splits, data_cfg.prepared_dir)
 
     for name, split in splits.items():

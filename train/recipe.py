@@ -3,8 +3,9 @@ command-line overrides.
 
 Every section is a dataclass below; its field defaults are THE defaults (configs/smollm2-135m-eagle3.yaml, the
 default recipe, lists the same values, and a test holds them equal). A recipe file needs only the keys it
-changes. A key no section knows is refused with the valid keys and the closest match. Defaults may refer to
-other keys (`${run_dir}/features`); they are interpolated together with the file's own values.
+changes. A key no section knows is refused with the valid keys and the closest match; a value is checked against
+its field's type and allowed values (choices, ranges) when the recipe is read, before any job starts. Defaults may
+refer to other keys (`${run_dir}/features`); they are interpolated together with the file's own values.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import dataclasses
 import difflib
 import os
 import re
-import sys
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,10 +22,26 @@ from typing import Any
 
 import yaml
 
+from drafthead.errors import PathNotFound, RecipeError, run_main
 from drafthead.paths import cache_dir
-from drafthead.utils import mixed_precision
+from drafthead.utils import DTYPES
 
 _REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_.]*)\}")
+
+
+def rule(default: Any = dataclasses.MISSING, *, choices: tuple = (), low: float | None = None,
+         high: float | None = None, above: float | None = None, pattern: str | None = None, means: str = "",
+         factory: Any = dataclasses.MISSING) -> Any:
+    """A field with allowed values: `choices`, a range (low <= v <= high, v > above; for a list, each item), or a
+    regular expression a string must match (`means` says it in words). None stays allowed where the field's type
+    allows it."""
+    checks = {"choices": choices, "low": low, "high": high, "above": above, "pattern": pattern, "means": means}
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata=checks)
+    return field(default=default, metadata=checks)
+
+
+DTYPE_CHOICES = ("auto", *DTYPES)
 
 
 # ------------------------------------------------------------------------------------------------ sections
@@ -33,11 +50,11 @@ class RegenerateSection:
     """data.regenerate: `python -m train.regenerate RECIPE` rewrites the assistant turns with the target."""
 
     output: str = "${run_dir}/regenerated.jsonl"  # then prepare with data.conversations=<this file>
-    max_new_tokens: int = 256
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    batch_size: int = 32  # conversations decoded together (rows of one forward)
-    chunk_conversations: int = 256  # resumable unit
+    max_new_tokens: int = rule(256, low=1)
+    temperature: float = rule(0.0, low=0)  # 0 = greedy
+    top_p: float = rule(1.0, above=0, high=1)
+    batch_size: int = rule(32, low=1)  # conversations decoded together (rows of one forward)
+    chunk_conversations: int = rule(256, low=1)  # resumable unit
     seed: int = 0
 
 
@@ -47,13 +64,14 @@ class DataSection:
 
     conversations: str = "${DRAFTHEAD_CACHE}/data/sharegpt.jsonl"  # JSONL (ShareGPT / OpenAI) or a datasets folder
     prepared_dir: str = "${run_dir}/prepared"
-    max_length: int = 1024
-    max_conversations: int | None = None  # None = all
-    max_assistant_turns: int | None = None  # cut each conversation after its N-th assistant turn (None = keep all)
-    validation_fraction: float = 0.02  # by conversation id root
+    max_length: int = rule(1024, low=2)
+    max_conversations: int | None = rule(None, low=1)  # None = all
+    # cut each conversation after its N-th assistant turn (None = keep all)
+    max_assistant_turns: int | None = rule(None, low=1)
+    validation_fraction: float = rule(0.02, low=0, high=0.5)  # by conversation id root
     skip_bad: bool = False
     seed: int = 0
-    num_proc: int | None = None  # tokenizing worker processes; None = min(4, CPU count)
+    num_proc: int | None = rule(None, low=1)  # tokenizing worker processes; None = min(4, CPU count)
     regenerate: RegenerateSection = field(default_factory=RegenerateSection)
 
 
@@ -62,11 +80,12 @@ class FeaturesSection:
     """features: target hidden states written as shards (`python -m train.collect RECIPE`)."""
 
     dir: str = "${run_dir}/features"
-    shard_sequences: int = 256  # sequences per shard
-    batch_tokens: int = 4096  # padded tokens per target forward
+    shard_sequences: int = rule(256, low=1)  # sequences per shard
+    batch_tokens: int = rule(4096, low=1)  # padded tokens per target forward
     validation_dir: str | None = "${features.dir}/validation"  # features of the "validation" split
     splits: list[str] = field(default_factory=lambda: ["train", "validation"])  # prepared splits to collect
-    target_dtype: str | None = None  # target dtype while collecting (None = the recipe's dtype)
+    # target dtype while collecting (None = the recipe's dtype)
+    target_dtype: str | None = rule(None, choices=DTYPE_CHOICES)
 
     def split_dir(self, split: str) -> str:
         """The features folder of a prepared split: dir (train), validation_dir, else dir/<split>."""
@@ -81,9 +100,9 @@ class FeaturesSection:
 class HeadSection:
     """head: the draft head trained on the target."""
 
-    kind: str = "eagle3"  # eagle3 | eagle1
-    draft_vocab_size: int | None = 32000  # capped at the target's vocabulary; None = the whole vocabulary
-    aux_layer_ids: list[int] | None = None  # None = serving engines' default (outputs of layers 1, N/2-1, N-4)
+    kind: str = rule("eagle3", choices=("eagle3", "eagle1"))
+    draft_vocab_size: int | None = rule(32000, low=2)  # capped at the target's vocabulary; None = the whole vocabulary
+    aux_layer_ids: list[int] | None = rule(None, low=0)  # None = serving engines' default (outputs of layers 1, N/2-1, N-4)
     init_from: str | None = None  # a head folder (native or exported) to fine-tune; its aux layers and vocab are kept
 
 
@@ -93,45 +112,38 @@ class TrainSection:
 
     output_dir: str = "${run_dir}/train"  # checkpoint-<step>/, final/, log.jsonl, tensorboard/
     online: bool = False  # True = target in the loop (features from data.prepared_dir, nothing on disk)
-    max_steps: int | None = 2000  # or epochs (exactly one; setting only epochs clears max_steps)
-    epochs: int | None = None
-    batch_size: int | None = None  # sequences per micro-batch (when set, batch_tokens is ignored), or
-    batch_tokens: int | None = 2048  # padded tokens per micro-batch and rank (length-bucketed)
-    grad_accum: int = 4
-    max_length: int | None = 1024  # tokens per sequence (longer ones are cut)
-    lr: float = 1e-4
-    warmup_steps: int = 100  # linear warmup, then cosine to min_lr_ratio * lr
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.0
-    max_grad_norm: float = 0.5
-    ttt_steps: int = 7  # EAGLE-3 training-time-test unroll depth (eagle1: always 1)
-    ttt_decay: float = 0.8  # weight of unroll step i: ttt_decay ** i
-    feature_noise: float = 0.0  # eagle1 only: uniform +-noise on the input features
+    max_steps: int | None = rule(2000, low=1)  # or epochs (exactly one; setting only epochs clears max_steps)
+    epochs: int | None = rule(None, low=1)
+    batch_size: int | None = rule(None, low=1)  # sequences per micro-batch (when set, batch_tokens is ignored), or
+    batch_tokens: int | None = rule(2048, low=1)  # padded tokens per micro-batch and rank (length-bucketed)
+    grad_accum: int = rule(4, low=1)
+    max_length: int | None = rule(1024, low=2)  # tokens per sequence (longer ones are cut)
+    lr: float = rule(1e-4, above=0)
+    warmup_steps: int = rule(100, low=0)  # linear warmup, then cosine to min_lr_ratio * lr
+    min_lr_ratio: float = rule(0.0, low=0, high=1)
+    weight_decay: float = rule(0.0, low=0)
+    max_grad_norm: float = rule(0.5, above=0)
+    ttt_steps: int = rule(7, low=1)  # EAGLE-3 training-time-test unroll depth (eagle1: always 1)
+    ttt_decay: float = rule(0.8, above=0)  # weight of unroll step i: ttt_decay ** i
+    feature_noise: float = rule(0.0, low=0)  # eagle1 only: uniform +-noise on the input features
     compile_loss: bool = True  # the loss's elementwise part through torch.compile (train/soft_ce.py; ~2x on it)
-    mixed_precision: str = "bf16"  # bf16 | fp32 (fp16 on GPUs only)
+    mixed_precision: str = rule("bf16", choices=("bf16", "fp32", "fp16", "no"))  # fp16 on GPUs only
     seed: int = 0
-    save_every: int = 500
-    keep_checkpoints: int | None = 2  # None = keep every checkpoint
-    eval_every: int = 250
-    eval_batches: int | None = 50  # validation micro-batches per rank and evaluation (None = all)
-    log_every: int = 10  # steps per log.jsonl record (host syncs of loss/accuracy only then; also at eval/save steps)
-    num_workers: int = 1  # DataLoader worker processes reading and collating batches (0 = in the main process)
+    save_every: int = rule(500, low=1)
+    keep_checkpoints: int | None = rule(2, low=1)  # None = keep every checkpoint
+    eval_every: int = rule(250, low=1)
+    eval_batches: int | None = rule(50, low=1)  # validation micro-batches per rank and evaluation (None = all)
+    log_every: int = rule(10, low=1)  # steps per log.jsonl record (host syncs of loss/accuracy only then; also at eval/save steps)
+    num_workers: int = rule(1, low=0)  # DataLoader worker processes reading and collating batches (0 = in the main process)
     debug_report: bool = False  # write ranks/rank-<r>.json (sequences seen, parameter sums, peak RSS): tests, benches
 
     def __post_init__(self) -> None:
         if (self.max_steps is None) == (self.epochs is None):
-            raise ValueError("set exactly one of train.max_steps and train.epochs")
+            raise RecipeError("set exactly one of train.max_steps and train.epochs")
         if self.batch_size is not None:
             self.batch_tokens = None
         elif self.batch_tokens is None:
-            raise ValueError("set one of train.batch_size and train.batch_tokens")
-        if self.log_every < 1 or self.num_workers < 0:
-            raise ValueError(f"train.log_every must be >= 1 and train.num_workers >= 0, got {self.log_every} and "
-                             f"{self.num_workers}")
-        try:
-            mixed_precision(self.mixed_precision)
-        except (KeyError, ValueError):
-            raise ValueError(f"train.mixed_precision must be bf16, fp16 or fp32, got {self.mixed_precision!r}")
+            raise RecipeError("set one of train.batch_size and train.batch_tokens")
 
 
 @dataclass
@@ -140,8 +152,9 @@ class Recipe:
 
     target: str = "${DRAFTHEAD_CACHE}/models/SmolLM2-135M-Instruct"
     run_dir: str = "runs/smollm2-135m-eagle3"
-    device: str = "cpu"  # cpu | cuda | cuda:1 ...
-    dtype: str = "auto"  # target dtype (collection, online features, regeneration): auto = bf16 where native
+    device: str = rule("cpu", pattern=r"(cpu|cuda|xpu|mps)(:[0-9]+)?",
+                                means="a device: cpu, cuda, cuda:1, ...")  # cpu | cuda | cuda:1 ...
+    dtype: str = rule("auto", choices=DTYPE_CHOICES)  # target dtype (collection, online features, regeneration): auto = bf16 where native
     data: DataSection = field(default_factory=DataSection)
     features: FeaturesSection = field(default_factory=FeaturesSection)
     head: HeadSection = field(default_factory=HeadSection)
@@ -161,7 +174,7 @@ def defaults() -> dict:
 def _check_keys(values: dict, cls: type, where: str) -> None:
     """Refuse keys `cls` does not have, naming the valid ones and the closest match; recurse into sections."""
     if not isinstance(values, dict):
-        raise ValueError(f"recipe section {where or 'top level'} must be a mapping, got {values!r}")
+        raise RecipeError(f"recipe section {where or 'top level'} must be a mapping, got {values!r}")
     types = typing.get_type_hints(cls)
     valid = [f.name for f in dataclasses.fields(cls)]
     for key, value in values.items():
@@ -169,7 +182,7 @@ def _check_keys(values: dict, cls: type, where: str) -> None:
         if key not in valid:
             close = difflib.get_close_matches(str(key), valid, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"unknown recipe key {dotted!r}{hint} (valid keys of {where or 'the top level'}: "
+            raise RecipeError(f"unknown recipe key {dotted!r}{hint} (valid keys of {where or 'the top level'}: "
                              f"{', '.join(valid)})")
         if dataclasses.is_dataclass(types[key]) and value is not None:
             _check_keys(value, types[key], dotted)
@@ -187,15 +200,73 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _build(cls: type, values: dict) -> Any:
-    """The dataclass `cls` of a complete, interpolated dict (sections built recursively)."""
-    types = typing.get_type_hints(cls)
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether `value` (as YAML gives it) is of the field type `hint`."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_fits(value, arg) for arg in typing.get_args(hint))
+    if typing.get_origin(hint) is list:
+        return isinstance(value, list) and all(_fits(v, typing.get_args(hint)[0]) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return _is_int(value)
+    return isinstance(value, hint)
+
+
+def _describe(hint: Any) -> str:
+    """A field type in words: 'an integer', 'a list of integers or null', ..."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(arg) for arg in typing.get_args(hint))
+    if typing.get_origin(hint) is list:
+        return "a list of " + _describe(typing.get_args(hint)[0]).split(" ", 1)[1] + "s"
+    return {type(None): "null", float: "a number", int: "an integer", bool: "true or false", str: "a string"}.get(
+        hint, hint.__name__)
+
+
+def _check_value(value: Any, hint: Any, checks: dict, dotted: str) -> Any:
+    """`value` of field `dotted`, checked against its type and allowed values; a number written as a string
+    (YAML 1.1 reads `1e-4` so) becomes a float where the field takes one."""
+    if isinstance(value, str) and _fits(1.0, hint) and not _fits(value, hint):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if _is_int(value) and _fits(1.0, hint) and not _fits(1, hint):
+        value = float(value)  # `lr: 1` in YAML fills a float field
+    low, high, above = checks.get("low"), checks.get("high"), checks.get("above")
+    bounds = " and ".join(b for b in (f">= {low}" if low is not None else "", f"> {above}" if above is not None
+                                      else "", f"<= {high}" if high is not None else "") if b)
+    choices, pattern = checks.get("choices"), checks.get("pattern")
+    if choices:
+        allowed = "one of " + ", ".join(map(repr, choices)) + (" or null" if _fits(None, hint) else "")
+    elif pattern:
+        allowed = checks["means"]
+    else:
+        allowed = _describe(hint) + (f" ({'each ' if typing.get_origin(hint) is list or _fits([], hint) else ''}"
+                                     f"{bounds})" if bounds else "")
+    wrong = not _fits(value, hint)
+    if not wrong and value is not None:
+        wrong = (choices and value not in choices) or (pattern and not re.fullmatch(pattern, value)) or any(
+            (low is not None and item < low) or (high is not None and item > high) or
+            (above is not None and item <= above) for item in (value if isinstance(value, list) else [value]))
+    if wrong:
+        raise RecipeError(f"recipe key {dotted} = {value!r}: expected {allowed}")
+    return value
+
+
+def _build(cls: type, values: dict, where: str = "") -> Any:
+    """The dataclass `cls` of a complete, interpolated dict (sections built recursively), every value checked."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in values.items():
-        if dataclasses.is_dataclass(types[key]):
-            value = _build(types[key], value or {})
-        elif _is_int(value) and float in (types[key], *typing.get_args(types[key])):
-            value = float(value)  # `lr: 1` in YAML fills a float field
+        dotted = f"{where}.{key}" if where else key
+        if dataclasses.is_dataclass(hints[key]):
+            value = _build(hints[key], value or {}, dotted)
+        else:
+            value = _check_value(value, hints[key], dict(fields[key].metadata), dotted)
         kwargs[key] = value
     return cls(**kwargs)
 
@@ -216,7 +287,7 @@ def set_dotted(recipe: dict, dotted: str, value: Any) -> None:
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ValueError(f"override {dotted!r}: {part!r} is not a section")
+            raise RecipeError(f"override {dotted!r}: {part!r} is not a section")
     node[parts[-1]] = value
 
 
@@ -237,7 +308,7 @@ def _interpolate(value: Any, recipe: dict, depth: int = 0) -> Any:
         try:
             return str(_interpolate(_lookup(recipe, name), recipe, depth + 1))
         except KeyError:
-            raise ValueError(f"recipe refers to ${{{name}}}, which is neither a recipe key nor an environment variable")
+            raise RecipeError(f"recipe refers to ${{{name}}}, which is neither a recipe key nor an environment variable")
 
     return _REF.sub(replace, value)
 
@@ -246,7 +317,7 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     parsed = []
     for item in overrides:
         if "=" not in item:
-            raise ValueError(f"override {item!r} is not key=value")
+            raise RecipeError(f"override {item!r} is not key=value")
         key, raw = item.split("=", 1)
         value = yaml.safe_load(raw) if raw != "" else None
         if isinstance(value, str) and any(c.isdigit() for c in value):  # YAML 1.1 reads "1e-3" as a string
@@ -277,17 +348,25 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     """Load a YAML recipe, apply `a.b=value` overrides (values parsed as YAML), then parse_recipe."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"recipe {path} not found")
-    recipe = yaml.safe_load(path.read_text()) or {}
+        raise PathNotFound(f"recipe {path} not found")
+    try:
+        recipe = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise RecipeError(f"recipe {path} is not valid YAML: {' '.join(str(error).split())}")
     for key, value in parse_overrides(overrides or []):
         set_dotted(recipe, key, value)
     return parse_recipe(recipe)
 
 
 def recipe_main(job, doc: str, argv: list[str] | None = None) -> None:
-    """Command-line entry of every recipe job: `python -m train.<job> RECIPE [key=value ...]`."""
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(doc)
-        raise SystemExit(0 if argv else 2)
-    job(load_recipe(argv[0], argv[1:]))
+    """Command-line entry of every recipe job: `python -m train.<job> RECIPE [key=value ...] [--debug]`. A user
+    error (bad recipe, path or data) is printed as one line (drafthead.errors.run_main)."""
+
+    def main(args: list[str]) -> int:
+        if not args or args[0] in ("-h", "--help"):
+            print(doc)
+            return 0 if args else 2
+        job(load_recipe(args[0], args[1:]))
+        return 0
+
+    raise SystemExit(run_main(main, argv))

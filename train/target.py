@@ -7,13 +7,14 @@ from typing import Any
 
 import torch
 
+from drafthead.errors import PathNotFound
 from drafthead.hardware import resolve_dtype
 
 
 def _check_folder(path: str | Path) -> Path:
     path = Path(path).expanduser()
     if not (path / "config.json").exists():
-        raise FileNotFoundError(
+        raise PathNotFound(
             f"target {path} has no config.json: give a local Hugging Face model folder "
             "(`python scripts/fetch_assets.py` fetches the default one)"
         )

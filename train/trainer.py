@@ -28,17 +28,19 @@ from accelerate.utils import InitProcessGroupKwargs, set_seed
 from drafthead import DraftHead, HeadConfig
 from drafthead.checkpoint import load_head
 from drafthead.config import default_aux_layer_ids
+from drafthead.errors import DataError
 from drafthead.utils import atomic_write_json, mixed_precision, rotary_frequencies
 from drafthead.vocab import build_draft_vocab, full_vocab, token_frequencies
 from train.batches import PreparedSequences, collate, epoch_batches, rank_batches, with_online_features
 from train.evaluate import evaluate
 from train.features import FeatureDataset
+from train.fingerprint import differences, split_fingerprint, weights_fingerprint
 from train.loader import PlanSampler, Position, StepPlan, make_loader
 from train.loss import DraftTrainModule
 from train.rank_sync import checksum, share_draft_vocab
 from train.recipe import Recipe, TrainSection, parse_recipe
-from train.state import clean_partial, gathered_params, latest_checkpoint, load_checkpoint, save_checkpoint, \
-    save_head_folder
+from train.state import TRAINER_STATE, clean_partial, gathered_params, latest_checkpoint, load_checkpoint, \
+    save_checkpoint, save_head_folder
 from train.target import load_borrowed, load_target, target_config_hash, target_name
 
 
@@ -96,14 +98,18 @@ def _check_features(recipe: Recipe, kind: str, aux: list[int], features: Feature
     """Features must hold the head's aux layers and come from this target."""
     manifest = features.manifest
     if kind == "eagle3" and list(manifest.get("aux_layer_ids", aux)) != list(aux):
-        raise ValueError(
+        raise DataError(
             f"features in {features.folder} hold aux layers {manifest['aux_layer_ids']}, the recipe's head wants "
             f"{list(aux)}: set head.aux_layer_ids to match or re-collect the features"
         )
     expected = target_config_hash(recipe.target)
     if manifest.get("target_config_hash", expected) != expected:
-        raise ValueError(f"features in {features.folder} were collected from another target "
-                         f"(config hash {manifest['target_config_hash']} != {expected})")
+        raise DataError(f"features in {features.folder} were collected from another target "
+                        f"(config hash {manifest['target_config_hash']} != {expected}): collect them again")
+    weights = weights_fingerprint(recipe.target)
+    if manifest.get("target_weights", weights) != weights:
+        raise DataError(f"features in {features.folder} were collected from other weights of this target "
+                        f"(weights fingerprint {manifest['target_weights']} != {weights}): collect them again")
 
 
 def build_head(recipe: Recipe, target, train_set, count_tokens: bool = True) -> DraftHead:
@@ -171,7 +177,7 @@ class Trainer:
         set_seed(config.seed)  # identical head init on every rank
         device = acc.device
         self.train_set = _open_split(recipe, "train")
-        self.val_set = _open_split(recipe, "validation")
+        self.val_set = self._usable_validation(_open_split(recipe, "validation"), acc.num_processes)
         if config.online:
             target = target.to(device)
         # the draft vocabulary is counted once, on rank 0, and broadcast below
@@ -198,9 +204,41 @@ class Trainer:
         self.lengths = self.plan.lengths
         self.val_lengths = self.val_set.lengths() if self.val_set is not None else []
         self.total_steps = self.count_steps(Position(), 0)  # run() counts again from the resumed position
+        self.inputs = self.run_inputs()
         self.debug: DebugReport | None = None  # made by run() once the checkpoint (if any) is loaded
 
     # ------------------------------------------------------------------------------------------ setup
+    def _usable_validation(self, val_set, processes: int):
+        """The validation split, or None (training without evaluation, said once) when it makes fewer
+        micro-batches than there are processes to evaluate them."""
+        if val_set is None:
+            return None
+        c = self.config
+        batches = len(epoch_batches(val_set.lengths(), 0, 0, c.batch_size, c.batch_tokens, c.max_length))
+        if batches >= processes:
+            return val_set
+        self.accelerator.print(
+            f"[train] warning: the validation split ({len(val_set)} sequences) makes {batches} micro-batch(es) "
+            f"for {processes} process(es): "
+            f"training without evaluation (raise data.validation_fraction, now "
+            f"{self.recipe.data.validation_fraction}, and prepare again to evaluate)")
+        return None
+
+    def run_inputs(self) -> dict:
+        """What a checkpoint's data position and weights mean: the training data's fingerprint and the recipe
+        keys that fix the data order and the head's shape. A resume with other values is refused."""
+        r, c = self.recipe, self.config
+        if c.online:
+            data = split_fingerprint(self.train_set.data)
+        else:
+            manifest = self.train_set.manifest
+            data = "/".join(str(manifest.get(k)) for k in ("data_fingerprint", "target_weights", "num_sequences",
+                                                          "num_tokens"))
+        return {"train data": data, "head.kind": r.head.kind, "head.aux_layer_ids": list(self.aux_layer_ids),
+                "head.draft_vocab_size": r.head.draft_vocab_size, "train.online": c.online, "train.seed": c.seed,
+                "train.batch_size": c.batch_size, "train.batch_tokens": c.batch_tokens,
+                "train.max_length": c.max_length}
+
     def _check_engine(self) -> None:
         acc = self.accelerator
         synced = self.engine in ("DeepSpeedEngine", "DistributedDataParallel")
@@ -281,7 +319,7 @@ class Trainer:
                 excluded -= time.perf_counter()
                 save_checkpoint(acc, self.head, self.output_dir, done,
                                 {"epoch": planned.after.epoch, "consumed": planned.after.consumed, "lr": lr,
-                                 "grad_accum": c.grad_accum, "engine": self.engine},
+                                 "grad_accum": c.grad_accum, "engine": self.engine, "inputs": self.inputs},
                                 keep=c.keep_checkpoints)
                 excluded += time.perf_counter()
             window.exclude(excluded)
@@ -298,6 +336,11 @@ class Trainer:
         path = latest_checkpoint(self.output_dir)
         if path is None:
             return 0, Position()
+        recorded = json.loads((path / TRAINER_STATE).read_text()).get("inputs")
+        changed = differences(recorded, self.inputs) if recorded is not None else []  # (older checkpoints)
+        if changed:
+            raise DataError(f"{path} was trained on other inputs ({'; '.join(changed)}): restore them to resume, "
+                            "or train into another train.output_dir")
         state = load_checkpoint(acc, path, self.model)
         step = state["step"]
         if "consumed" in state:
