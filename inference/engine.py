@@ -329,6 +329,9 @@ class SpeculativeGenerator:
         only on the steps where its measured cost pays, taking plain steps on the others (batch_switch.py); "always"
         speculates on every step. draft_weights="int8" (self-speculation): the draft multiplies with an int8 copy of the
         target's weights (half the bytes a draft step reads; the target verifies with its own: still lossless)."""
+        if isinstance(draft, (str, Path)) and str(draft) not in ("prompt-lookup", "self"):
+            # a local folder (head or model), else a Hub id where allowed; checked before the target loads
+            draft = resolve_source(draft, "draft")
         if dtype == "auto":  # bf16 on CUDA and on CPUs with native bf16, else fp32 (drafthead.hardware)
             on = device or (next(target.parameters()).device if isinstance(target, nn.Module) else "cpu")
             dtype = resolve_dtype("auto", on)
@@ -340,8 +343,6 @@ class SpeculativeGenerator:
             raise ValueError("draft_vocab counts tokens with the target's tokenizer: pass tokenizer=")
         if draft_weights != "same" and not (isinstance(draft, str) and draft == "self"):
             raise ValueError(f"draft_weights={draft_weights!r} applies to the self-draft (draft='self') only")
-        if isinstance(draft, (str, Path)) and str(draft) not in ("prompt-lookup", "self"):
-            draft = resolve_source(draft, "draft")  # a local folder (head or model), else a Hub id where allowed
         if isinstance(draft, str) and draft == "prompt-lookup":
             draft = PromptLookupDrafter(lookup_tokens)
         elif isinstance(draft, str) and draft == "self":

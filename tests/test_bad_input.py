@@ -20,6 +20,7 @@ import yaml
 from conftest import REPO, save_tiny_target
 from drafthead import save_head
 from drafthead.errors import DataError, PathNotFound, UserError, run_main
+from inference.loading import load_causal_lm, resolve_source
 from test_prepare import recipe as prepare_recipe
 from test_prepare import sharegpt, write_jsonl
 from test_trainer import env, make_run, read_log, run_train
@@ -39,7 +40,7 @@ WRONG = {
     "head.aux_layer_ids=[1,-2]": "recipe key head.aux_layer_ids = [1, -2]: expected a list of integers or null "
                                  "(each >= 0)",
     "train.lr=abc": "recipe key train.lr = 'abc': expected a number (> 0)",
-    "train.max_steps=ten": "recipe key train.max_steps = 'ten': expected an integer or null (>= 1)",
+    "train.max_steps=ten": "recipe key train.max_steps = 'ten': expected an integer or null (>= 0)",
     "train.compile_loss=maybe": "recipe key train.compile_loss = 'maybe': expected true or false",
 }
 
@@ -113,11 +114,15 @@ def test_a_local_path_is_a_path_and_a_hub_id_only_where_the_hub_is_allowed(tmp_p
     with pytest.raises(PathNotFound, match="not a model folder"):
         SpeculativeGenerator.from_pretrained(target, tmp_path / "empty")
     # `~` is the user's home, for the head and for the target
-    monkeypatch.setenv("HOME", str(tmp_path))
     save_head(tiny_head(target), tmp_path / "head")
     save_tiny_target(tmp_path / "target")
-    gen = SpeculativeGenerator.from_pretrained("~/target", "~/head", dtype="float32")
-    assert gen.head is not None and gen.tokenizer is not None
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resolve_source("~/head", "draft") == str(tmp_path / "head")
+    model, tokenizer = load_causal_lm("~/target")
+    assert model.config.num_hidden_layers == target.config.num_hidden_layers and tokenizer is not None
+    monkeypatch.undo()  # (torch's extension folder lies under HOME too: the kernels stay where they were built)
+    gen = SpeculativeGenerator.from_pretrained(target, str(tmp_path / "head"))
+    assert gen.head is not None
 
 
 @pytest.mark.parametrize("arguments, named", [
@@ -227,13 +232,14 @@ def test_a_kernel_build_killed_half_way_does_not_block_the_next(tmp_path):
     (torch's own lock file survives the kill: without our OS lock the next build would wait on it forever.)"""
     source = tmp_path / "probe.cpp"
     source.write_text(PROBE)
-    environ = {**env(), "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}
+    environ = {**env(), "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"), "MAX_JOBS": "1"}
     proc = subprocess.Popen(build_cmd(source, 60), cwd=REPO, env=environ, stdout=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not list((tmp_path / "extensions").glob("drafthead_probe-*/lock")):
         assert proc.poll() is None and time.time() < deadline, "the build never started"
         time.sleep(0.05)
-    victims = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+    # the builder first: killed after its compiler, it would see the build fail and clean up, as no kill lets it
+    victims = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
     for victim in victims:
         victim.send_signal(signal.SIGKILL)
     psutil.wait_procs(victims, timeout=30)

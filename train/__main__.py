@@ -4,7 +4,12 @@
 from __future__ import annotations
 
 from train.recipe import recipe_main
-from train.trainer import train
+
+
+def train(recipe):
+    from train.trainer import train as run  # (imported once the recipe is read: a bad recipe fails at once)
+
+    return run(recipe)
 
 
 if __name__ == "__main__":

@@ -112,7 +112,8 @@ class TrainSection:
 
     output_dir: str = "${run_dir}/train"  # checkpoint-<step>/, final/, log.jsonl, tensorboard/
     online: bool = False  # True = target in the loop (features from data.prepared_dir, nothing on disk)
-    max_steps: int | None = rule(2000, low=1)  # or epochs (exactly one; setting only epochs clears max_steps)
+    # or epochs (exactly one; setting only epochs clears max_steps); 0 = evaluate the head without training it
+    max_steps: int | None = rule(2000, low=0)
     epochs: int | None = rule(None, low=1)
     batch_size: int | None = rule(None, low=1)  # sequences per micro-batch (when set, batch_tokens is ignored), or
     batch_tokens: int | None = rule(2048, low=1)  # padded tokens per micro-batch and rank (length-bucketed)
