@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = export_head(args.src, args.out, args.format, args.force)
-    except (ExportValidationError, FileExistsError, FileNotFoundError, ValueError) as err:  # all the user's to fix
+    except (ExportValidationError, FileExistsError, FileNotFoundError, ValueError) as err:
         print(f"export failed: {err}", file=sys.stderr)
         return 1
     print(f"wrote and validated {out}")

@@ -38,7 +38,7 @@ from .draft_vocab import (AUTO_SIZES, AUTO_TUNING_SIZE, assistant_token_counts, 
                           vocab_candidates)
 from .engine import SpeculativeGenerator, accept_histogram
 from .jsonl import iter_jsonl
-from .loading import resolve_source
+from .loading import load_causal_lm
 from .prompt_lookup import PromptLookupDrafter
 from .runner import make_runner
 from .static_runner import compile_setting
@@ -329,11 +329,10 @@ def run_bench(args: argparse.Namespace, on_prompt=None) -> dict:
 
 def load_target_and_prompts(args, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any, list[torch.Tensor]]:
     """The target model, its tokenizer, and the prompts as chat-templated ids."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    target = resolve_source(args.target, "target")
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval()
+    model, tokenizer = load_causal_lm(args.target, dtype, what="target")
+    model = model.to(device).eval()
+    if tokenizer is None:
+        raise SystemExit(f"no tokenizer in {args.target}: the prompts need the target's chat template")
     prompts = load_prompts(args.prompts, args.num_prompts, args.category)
     if not prompts:
         raise SystemExit(f"no prompts in {args.prompts}" + (f" of category {args.category!r}" if args.category else ""))

@@ -41,12 +41,7 @@ class SamplingParams:
         generation_config.do_sample (off by default, as in generate).
         """
         gc = generation_config
-        if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
-        if top_p is not None and not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if top_k is not None and top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        _check_ranges(temperature, top_k, top_p)  # the caller's own values, sampling or not
         if do_sample is None:
             do_sample = temperature > 0 if temperature is not None else bool(getattr(gc, "do_sample", False))
         pick = lambda name, value: value if value is not None else getattr(gc, name, None)  # noqa: E731
@@ -58,11 +53,18 @@ class SamplingParams:
         top_p = HF_DEFAULTS["top_p"] if top_p is None else float(top_p)
         if temperature <= 0:
             raise ValueError(f"sampling needs temperature > 0, got {temperature} (use do_sample=False for greedy)")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        _check_ranges(temperature, top_k, top_p)  # (values from generation_config too)
         return cls(True, temperature, top_k, top_p)
+
+
+def _check_ranges(temperature: float | None, top_k: int | None, top_p: float | None) -> None:
+    """ValueError naming the first value out of its range (None: not given)."""
+    if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
