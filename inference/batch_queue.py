@@ -1,6 +1,6 @@
 """A queue of prompts decoded with continuous batching (offline batch inference: data regeneration, evaluation).
 
-The first `batch_size` prompts are prefilled together and decoded as a batch (batch.py); each time a row finishes,
+The first `batch_size` prompts are prefilled together and decoded as a batch (decode.py); each time a row finishes,
 the next prompt in the queue takes its place (runner.admit), so the batch stays full until the queue runs dry, instead
 of shrinking to its slowest rows as a fixed batch does. The waiting prompts are prefilled on demand, `group` at a
 time (left-padded), by a second runner over the same model whose buffers hold only that group: the queue's KV is
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from .batch import Request
-from .batch_runner import BatchRunner
+from .decode import Request
+from .runners.static import StaticRunner
 
 
 def left_pad(prompts: Sequence[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,7 +31,7 @@ def left_pad(prompts: Sequence[torch.Tensor], pad: int = 0) -> tuple[torch.Tenso
     return ids, mask
 
 
-def prefilled_requests(runner: BatchRunner, prompts: Sequence[torch.Tensor], group: int,
+def prefilled_requests(runner: StaticRunner, prompts: Sequence[torch.Tensor], group: int,
                        stopper: Callable[[], Any], stats: Any = None) -> Iterator[Request]:
     """Each prompt as a waiting Request, prefilled `group` prompts at a time on `runner` (its buffers reset for
     each group) when the decoder asks for the next one; the prefill time is added to stats.prefill_time_s and the

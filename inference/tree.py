@@ -1,30 +1,18 @@
-"""EAGLE-2 dynamic draft tree.
+"""The verification tree (one type for every drafter and batch size) and the EAGLE-2 tree search.
 
-The head keeps its KV cache across steps. Its stable part holds the pairs (true target feature at t, token t+1)
-at positions 0..P-1, where P is the position of the tree root (the last emitted token, not yet seen by the target).
-A drafting step (DraftStep) first feeds the true pairs of the last verification (their last token is the root):
-the head's output at the root gives depth 1. Each further depth is ONE head forward over the top_k frontier nodes
-(best cumulative draft log-prob), attending the stable cache plus their own drafted ancestors. All candidates are
-reranked by cumulative log-prob and the best `total_tokens` kept; a child's score is never above its parent's and
-a stable sort puts parents first on ties, so the kept set is always a tree.
-The cache is a fixed buffer (head_runner.py): drafted nodes are written after the stable part and simply
-overwritten later, so "cropping" is only moving the stable length. Positions and slots are tensors computed from
-the stable length (a 0-dim tensor), so a step compiled whole is one graph per tree shape at every length.
+A DraftTree holds one tree per row of a batch, all of one size, so the target verifies every row's tree in one
+forward. Drafters build chains (DraftTree.chain) or search EAGLE-2 dynamic trees: expand_tree grows every row's
+top_k frontier depth by depth (one head forward per depth for the whole batch), select_tree keeps each row's best
+`total_tokens` candidates by cumulative draft log-prob; a child's score is never above its parent's and a stable
+sort puts parents first on ties, so the kept set is always a tree.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
-
-from drafthead.masks import causal_allowed
-from drafthead.model import DraftHead
-
-from .head_runner import HeadRunner
-from .static_runner import SMALL_GEMM_ROWS, compile_step
 
 
 @dataclass(frozen=True)
@@ -75,33 +63,49 @@ def tree_options(tree: str | TreeOptions | None = "cpu", **overrides: int | None
 
 @dataclass
 class DraftTree:
-    """A verification tree. Node 0 is the root; parents come before children (so ancestors[i] in index order
-    is the path to i)."""
+    """One verification tree per row of a batch, all of the same size n (a batch verifies every row's tree in one
+    target forward). Node 0 is each row's root; parents come before children (so ancestors[b, i] in index order is
+    the path to i)."""
 
-    tokens: torch.Tensor  # (1, n) target token ids
-    parents: torch.Tensor  # (n,) parent index, -1 for the root
-    depths: torch.Tensor  # (n,) root 0
-    ancestors: torch.Tensor  # (n, n) bool: j is i or an ancestor of i
-    scores: torch.Tensor | None = None  # (n,) cumulative draft log-prob (root 0), for budget calibration
-    q: torch.Tensor | None = None  # (n, V) distribution node i was sampled from; None: every node deterministic
-    origin: torch.Tensor | None = None  # (n,) bit mask of the drafters that proposed node i (drafter.py)
+    tokens: torch.Tensor  # (B, n) target token ids, root first
+    parents: torch.Tensor  # (B, n) parent index, -1 at the root
+    depths: torch.Tensor  # (B, n) root 0
+    ancestors: torch.Tensor  # (B, n, n) bool: j is i or an ancestor of i
+    scores: torch.Tensor | None = None  # (B, n) cumulative draft log-prob (root 0), for budget calibration
+    q: torch.Tensor | None = None  # (B, n, V) the distribution node i was sampled from; None: point masses
+    origin: torch.Tensor | None = None  # (B, n) bit mask of the drafters that proposed node i (drafter.py)
 
     @property
     def size(self) -> int:
         return self.tokens.shape[1]
 
-    @staticmethod
-    def root_only(root: torch.Tensor) -> "DraftTree":
-        """The one-node tree of plain decoding: verify the last emitted token, draft nothing."""
-        zero = torch.zeros(1, dtype=torch.long, device=root.device)
-        return DraftTree(root.view(1, 1), zero - 1, zero, torch.ones(1, 1, dtype=torch.bool, device=root.device))
+    def row(self, i: int) -> "DraftTree":
+        """Row i alone, as a one-row tree."""
+        pick = slice(i, i + 1)
+        return DraftTree(*(None if t is None else t[pick] for t in (self.tokens, self.parents, self.depths,
+                                                                     self.ancestors, self.scores, self.q,
+                                                                     self.origin)))
 
     @staticmethod
-    def build(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
-              max_depth: int | None = None, scores: torch.Tensor | None = None) -> "DraftTree":
-        """Tree from tokens (1, n), parents (n,) (-1 at the root), depths (n,) and an upper bound on the depth."""
-        steps = int(depths.max()) if max_depth is None else max_depth
-        return DraftTree(tokens, parents, depths, ancestor_matrix(parents, steps), scores)
+    def chain(roots: torch.Tensor, drafted: torch.Tensor | None = None, q: torch.Tensor | None = None,
+              origin: int | None = None) -> "DraftTree":
+        """Every row a chain: its root (B,), then drafted (B, g) each the child of the one before; q (B, g, V) the
+        distribution each drafted token was sampled from; origin: one bit mask for every drafted node. No drafts:
+        plain decoding (the root alone)."""
+        b = roots.shape[0]
+        if drafted is None:
+            drafted = roots.new_zeros(b, 0)
+        n = 1 + drafted.shape[1]
+        device = roots.device
+        line = torch.arange(n, device=device)
+        tree = DraftTree(torch.cat([roots.view(b, 1), drafted.to(device)], dim=1), (line - 1).expand(b, n),
+                         line.expand(b, n), torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(b, n, n))
+        if q is not None:  # row 0 (the root) is never read
+            tree.q = torch.cat([torch.zeros_like(q[:, :1]), q], dim=1)
+        if origin is not None:
+            tree.origin = torch.full((b, n), origin, dtype=torch.long, device=device)
+            tree.origin[:, 0] = 0
+        return tree
 
 
 def ancestor_matrix(parents: torch.Tensor, steps: int) -> torch.Tensor:
@@ -179,126 +183,3 @@ def select_tree(roots: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor,
     return (torch.cat([roots.view(b, 1), tokens.gather(1, chosen)], dim=1), tree_parents,
             torch.cat([column, depths.gather(1, chosen)], dim=1), ancestor_matrix(tree_parents, max_depth),
             torch.cat([column.to(scores.dtype), scores.gather(1, chosen)], dim=1))
-
-
-class DraftStep:
-    """One drafting step of a tree shape, on a HeadRunner: feed the true pairs, expand depth by depth, select the
-    tree. `whole`: compiled as one graph (the runner compiles; what decoding uses) or eager glue around the
-    runner's own passes (compiled piecewise when the runner compiles; what the tree tuner prices shapes with)."""
-
-    def __init__(self, runner: HeadRunner, options: TreeOptions, whole: bool):
-        self.runner, self.opt, self.whole = runner, options, whole
-        # a tree whose head passes are all a few rows (the feed: depth + 1 pairs; each depth: top_k nodes) takes
-        # inductor's C++ GEMMs on CPU, as the target's small verify buckets do (2/3/3 drafting, 2-core Zen 4 EPYC,
-        # bf16, inside decoding: ~2.4-3.0 -> 2.1 ms a step; 1/1/1: 2.1 -> 1.3 ms)
-        small = max(options.depth + 1, options.top_k) <= SMALL_GEMM_ROWS and not runner.small_rows
-        name = f"tree{options.depth}_{options.top_k}_{options.total_tokens}"
-        # a drafting step is many small kernels: called from C++ on CPU (compile_step)
-        self.run = (compile_step(self._run, runner.device, small_gemm=small, name=name,
-                                 cpp_wrapper=runner.device.type == "cpu", unguarded=("self.runner.cache",))
-                    if whole and runner.compiled else self._run)
-
-    def _run(self, tokens, features, last, start, root):
-        """tokens (1, p), features (1, p, F): the true pairs, padded to depth + 1 (padding lands in slots the tree
-        overwrites); last (1,): the index of the last real pair (its token is the root); start: 0-dim tensor, the
-        position of the first pair; root (1,). Returns select_tree's (tokens, parents, depths, ancestors, scores)."""
-        runner, opt = self.runner, self.opt
-        feed, expand = runner.passes(self.whole)
-        device = tokens.device
-        p = tokens.shape[1]
-        positions = (start + torch.arange(p, device=device)).unsqueeze(0)
-        mask = runner.mask(causal_allowed(p, 0, device), start)
-        last_hidden, scores, first = feed(tokens, features, positions, mask, positions[0], last, opt.top_k)
-        stable = start + last[0] + 1  # the root's position: the tree's nodes start at this slot
-
-        def step(d, f, frontier_tokens, parent_hidden, rows):
-            # the frontier (depth d) at slots stable+f.., position stable-1+d, attending the stable prefix + rows
-            k = frontier_tokens.shape[1]
-            where = (stable - 1 + d).view(1, 1).expand(1, k)
-            slots = stable + f + torch.arange(k, device=device)
-            out, logp, child = expand(frontier_tokens, parent_hidden, where, runner.mask(rows[0], stable), slots, k)
-            return out, logp[None], child[None]
-
-        candidates = expand_tree(scores, first, last_hidden, opt.depth, step)
-        return select_tree(root.view(1), *candidates, opt.total_tokens, opt.depth)
-
-
-class TreeDrafter:
-    """Drafts EAGLE-2 trees with a DraftHead, keeping the head's KV cache across steps (a drafter.Drafter). The
-    head's buffer and (compiled) steps live in a HeadRunner, which may be shared by several drafters of the same
-    head. whole=False drafts with the piecewise-compiled passes (see DraftStep)."""
-
-    name = "eagle"
-    origin_names = ("head",)
-
-    def __init__(self, head: DraftHead, options: TreeOptions, head_runner: HeadRunner | None = None,
-                 whole: bool = True):
-        self.head = head
-        self.opt = options
-        self.dtype = next(head.parameters()).dtype
-        self.runner = head_runner if head_runner is not None else HeadRunner(head)
-        self.step = self.runner.draft_step((options, whole), lambda: DraftStep(self.runner, options, whole))
-        self.stable = 0  # positions 0..stable-1 hold true pairs
-        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # true pairs not fed yet (features, tokens)
-
-    # ------------------------------------------------------------------------------ the drafter protocol
-    @property
-    def feature_layers(self) -> list[int]:
-        return list(self.head.config.aux_layer_ids)
-
-    def tree_sizes(self) -> list[int]:
-        return [self.opt.tree_size]
-
-    def warmup(self, max_length: int) -> None:
-        self.reset(max_length)
-
-    def session(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()  # the head runs its own forward, not the model's attention dispatch
-
-    def begin(self, input_ids: torch.Tensor, features: torch.Tensor, max_length: int) -> None:
-        """The prompt's pairs (feature at t, token t+1) wait for the first root, the token after the prompt."""
-        self.reset(max_length)
-        self.pending = (features, input_ids[:, 1:])
-
-    @torch.inference_mode()
-    def propose(self, root: torch.Tensor, params=None, generator=None) -> DraftTree:
-        """Feed the pending true pairs (their last token is the root) and draft the tree, in one drafting step;
-        a prompt's pairs before the last depth + 1 go into the head's cache first."""
-        features, tokens = self.pending
-        tokens = torch.cat([tokens, root.view(1, 1)], dim=1)
-        features = features.to(self.dtype)
-        size = self.opt.depth + 1  # at most depth accepted drafts + the bonus token per verification
-        m = tokens.shape[1]
-        self.runner.reserve(self.stable + max(m, size) + self._tree_room)
-        if m > size:
-            self.runner.append(tokens[:, : m - size], features[:, : m - size], self.stable)
-            self.stable += m - size
-            tokens, features, m = tokens[:, m - size:], features[:, m - size:], size
-        device = root.device
-        padded = torch.zeros(1, size, dtype=torch.long, device=device)
-        padded[:, :m] = tokens
-        feats = torch.zeros(1, size, features.shape[-1], dtype=self.dtype, device=device)
-        feats[:, :m] = features
-        last = torch.tensor([m - 1], device=device)
-        start = torch.tensor(self.stable, device=device)
-        tokens, parents, depths, ancestors, scores = self.step.run(padded, feats, last, start, root)
-        self.stable += m
-        return DraftTree(tokens, parents[0], depths[0], ancestors[0], scores[0])
-
-    def accept(self, path: torch.Tensor, new_tokens: torch.Tensor, features: torch.Tensor) -> None:
-        """The accepted nodes' true features, each paired with the token after it (the last one: the next root)."""
-        self.pending = (features[:, path], new_tokens[:-1].view(1, -1))
-
-    @property
-    def stable_length(self) -> int:
-        return self.stable
-
-    @property
-    def _tree_room(self) -> int:
-        """Head slots the drafted nodes of one tree occupy after the stable prefix (the frontier of every depth)."""
-        return self.opt.depth * self.opt.top_k + 1
-
-    def reset(self, length: int) -> None:
-        """Start a new sequence of up to `length` tokens (room for its deepest tree too)."""
-        self.runner.reserve(length + self._tree_room)
-        self.stable = 0

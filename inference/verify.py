@@ -1,7 +1,10 @@
-"""Tree verification: greedy (exact argmax match) and lossless sampling (recursive rejection sampling).
+"""Tree verification for every row of a batch: greedy (exact argmax match) and lossless sampling (recursive
+rejection sampling). Both give an Accepted (drafter.py): per row the accepted tree indices, root first, and the
+accepted drafted tokens followed by the bonus token drawn from the target at the last accepted node, as (B, W)
+tensors padded with -1 (as vLLM's rejection sampler pads) and as host lists, moved to the host once.
 
-Both return (path, new_tokens): path (a+1,) the accepted tree indices, root first; new_tokens (a+1,) the
-accepted drafted tokens followed by the bonus token drawn from the target at the last accepted node.
+Greedy is vectorised over rows: a node is correct when its token is the target's argmax after its parent, and each
+row keeps its deepest node whose whole path is correct (the first in index order on ties).
 
 Sampling. At a node with target distribution p, try its children c1, c2, ... in order. Child c_j was drawn from a
 proposal q_j: the drafter's distribution (tree.q, e.g. a draft model's sampled chain), or a point mass on c_j for
@@ -19,28 +22,58 @@ from __future__ import annotations
 
 import torch
 
+from .drafter import Accepted
 from .tree import DraftTree
 
 
-def verify_greedy(logits: torch.Tensor | None, tree: DraftTree,
-                  pred: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (n, V) or their argmax pred (n,): the longest path whose every token is the target's argmax after
-    its parent, + bonus."""
-    if pred is None:
-        pred = logits.argmax(dim=-1)  # (n,)
-    tokens = tree.tokens[0]
-    correct = tokens == pred[tree.parents.clamp_min(0)]
-    correct[0] = True
-    path_ok = ~(tree.ancestors & ~correct[None, :]).any(dim=1)  # (n,) every node on the path is correct
-    best = torch.where(path_ok, tree.depths, -1).argmax()
-    path = tree.ancestors[best].nonzero().squeeze(1)  # index order = depth order
-    return path, torch.cat([tokens[path[1:]], pred[best].view(1)])
+def verify_greedy(tree: DraftTree, greedy: torch.Tensor, live: list[bool]) -> Accepted:
+    """greedy (B, n): the target's argmax at every node; live: rows still decoding (the others get count 0)."""
+    b, n = tree.tokens.shape
+    device = greedy.device
+    tokens = tree.tokens
+    correct = tokens == greedy.gather(1, tree.parents.clamp_min(0))
+    correct[:, 0] = True
+    path_ok = ~(tree.ancestors & ~correct[:, None, :]).any(dim=2)  # (B, n) every node on the path is correct
+    best = torch.where(path_ok, tree.depths, -1).argmax(dim=1)  # (B,)
+    rows = torch.arange(b, device=device)
+    on_path = tree.ancestors[rows, best]  # (B, n)
+    alive = torch.tensor(live, device=device)
+    counts = on_path.sum(dim=1) * alive
+    column = torch.arange(n, device=device)
+    paths = torch.where(on_path, column, n).sort(dim=1).values  # the path's nodes first, in index (= depth) order
+    paths = torch.where(column < counts[:, None], paths, -1)
+    following = tokens.gather(1, torch.cat([paths[:, 1:], paths[:, :1]], dim=1).clamp_min(0))
+    emitted = torch.where(column < counts[:, None] - 1, following, greedy[rows, best][:, None])
+    emitted = torch.where(column < counts[:, None], emitted, -1)
+    host = torch.cat([counts[:, None], paths, emitted], dim=1).tolist()  # the step's one transfer to the host
+    return Accepted(paths, emitted, counts,
+                    [row[1: 1 + row[0]] for row in host], [row[1 + n: 1 + n + row[0]] for row in host])
+
+
+def verify_sampling_rows(probs: torch.Tensor, tree: DraftTree, live: list[bool],
+                         generator: torch.Generator | None = None) -> Accepted:
+    """probs (B, n, V): processed target probabilities at every node; each live row walks its own tree (host)."""
+    b, n = tree.tokens.shape
+    device = tree.tokens.device
+    host_paths, host_tokens = [], []
+    for k in range(b):
+        path, tokens = verify_sampling(probs[k], tree.row(k), generator) if live[k] else ([], [])
+        host_paths.append(path)
+        host_tokens.append(tokens)
+    paths = torch.full((b, n), -1, dtype=torch.long)
+    emitted = torch.full((b, n), -1, dtype=torch.long)
+    for k, (path, tokens) in enumerate(zip(host_paths, host_tokens)):
+        paths[k, : len(path)] = torch.tensor(path, dtype=torch.long)
+        emitted[k, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    counts = torch.tensor([len(p) for p in host_paths])
+    return Accepted(paths.to(device), emitted.to(device), counts.to(device), host_paths, host_tokens)
 
 
 def children_lists(tree: DraftTree) -> list[list[int]]:
-    """Children of each node in index order (the drafter's order: siblings by descending draft score)."""
+    """Children of each node of a one-row tree in index order (the drafter's order: siblings by descending draft
+    score)."""
     kids: list[list[int]] = [[] for _ in range(tree.size)]
-    for child, parent in enumerate(tree.parents.tolist()):
+    for child, parent in enumerate(tree.parents[0].tolist()):
         if parent >= 0:
             kids[parent].append(child)
     return kids
@@ -57,21 +90,20 @@ def residual(r: torch.Tensor, token: int, q: torch.Tensor | None) -> torch.Tenso
 
 
 def verify_sampling(
-    probs: torch.Tensor,  # (n, V) processed target probabilities at every tree node
+    probs: torch.Tensor,  # (n, V) processed target probabilities at every node of a one-row tree
     tree: DraftTree,
     generator: torch.Generator | None = None,
-    children: list[list[int]] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Recursive rejection sampling down the tree (see the module docstring for the exactness argument)."""
-    kids = children_lists(tree) if children is None else children
-    tokens = tree.tokens[0]
-    token_ids = tokens.tolist()
+) -> tuple[list[int], list[int]]:
+    """Recursive rejection sampling down a one-row tree (see the module docstring for the exactness argument).
+    Returns the accepted node indices (root first) and the emitted tokens (accepted drafts + the bonus)."""
+    kids = children_lists(tree)
+    token_ids = tree.tokens[0].tolist()
     node, path = 0, [0]
     r = probs[0]
     while True:
         for child in kids[node]:
             x = token_ids[child]
-            q = tree.q[child] if tree.q is not None else None
+            q = tree.q[0, child] if tree.q is not None else None
             u = torch.rand((), generator=generator, device=r.device, dtype=r.dtype)
             # accept with probability min(1, r(x) / q(x)); a point mass has q(x) = 1
             if bool(u * (q[x] if q is not None else 1) < r[x]):
@@ -82,10 +114,9 @@ def verify_sampling(
                 break
             r = rest / mass
         else:  # no child accepted (or none): the bonus comes from the residual
-            bonus = torch.multinomial(r, 1, generator=generator)
+            bonus = int(torch.multinomial(r, 1, generator=generator))
             break
         node = child
         path.append(node)
         r = probs[node]
-    path_t = torch.tensor(path, device=tokens.device)
-    return path_t, torch.cat([tokens[path_t[1:]], bonus])
+    return path, [token_ids[i] for i in path[1:]] + [bonus]

@@ -31,19 +31,20 @@ from drafthead.hardware import cpu_flags, resolve_dtype
 from drafthead.paths import cache_dir
 from drafthead.utils import atomic_write_json
 
-from . import batch_bench
-from .budget import auto_tree, choose_draft_vocab
-from .draft_model import DraftModelDrafter, load_draft_model
-from .draft_vocab import (AUTO_SIZES, AUTO_TUNING_SIZE, assistant_token_counts, default_corpus, parse_draft_vocab,
-                          vocab_candidates)
-from .engine import SpeculativeGenerator, accept_histogram
-from .jsonl import iter_jsonl
-from .loading import load_causal_lm
-from .prompt_lookup import PromptLookupDrafter
-from .runner import make_runner
-from .static_runner import compile_setting
+from ..drafters.draft_model import DraftModelDrafter, load_draft_model
+from ..drafters.lookup import prompt_lookup
+from ..engine import SpeculativeGenerator
+from ..jsonl import iter_jsonl
+from ..loading import load_causal_lm
+from ..runners import make_runner
+from ..runners.compile import compile_setting
+from ..stats import accept_histogram
+from ..tree import TreeOptions, tree_options
+from ..tuning.budget import auto_tree, choose_draft_vocab
+from ..tuning.draft_vocab import (AUTO_SIZES, AUTO_TUNING_SIZE, assistant_token_counts, default_corpus,
+                                  parse_draft_vocab, vocab_candidates)
+from . import batch as batch_bench
 from .ties import explain_divergence
-from .tree import TreeOptions, tree_options
 
 
 def load_prompts(spec: str, limit: int | None, category: str | None = None) -> list[str]:
@@ -254,7 +255,7 @@ def build_methods(args, model, head, tokenizer, eos, runner, options: TreeOption
         for name in [t for t in (args.compare_tree or []) if t != args.tree]:
             methods.append(Method(f"speculative_{name}", engine(name), model, head, tree_options(name).depth))
     if "engine_prompt_lookup" in wanted:
-        lookup = lambda target, own: PromptLookupDrafter(args.pld_tokens)  # noqa: E731
+        lookup = lambda target, own: prompt_lookup(args.pld_tokens)  # noqa: E731
         methods.append(Method("engine_prompt_lookup", engine("lookup", lookup), model, head, args.pld_tokens))
     if "hybrid" in wanted:
         hybrid_tree = options or tree_options("cpu")
@@ -346,7 +347,6 @@ def prepare_methods(args, model, tokenizer, inputs: list[torch.Tensor]) -> tuple
     args.compile = compile_setting(args.compile, device)
     head, full_head, draft_model, vocab_heads = load_drafts(args, model, tokenizer)
     runner = make_runner(model, head.config.aux_layer_ids if head is not None else [], args.runner, args.compile)
-    runner.reserve(max(ids.shape[1] for ids in inputs) + args.max_new_tokens)
     tree_start = time.perf_counter()
     options, tree_info = None, {}
     if head is not None:
@@ -358,7 +358,7 @@ def prepare_methods(args, model, tokenizer, inputs: list[torch.Tensor]) -> tuple
     compile_s = warm_up(methods, inputs, args)
     setup = {"draft_vocab": head.config.draft_vocab_size if head is not None and args.draft_vocab else None,
              "runner": type(runner).__name__, "compile": args.compile, "warmup_s": compile_s,
-             "compile_s_per_shape": dict(getattr(runner, "compile_s", {})), "tree": tree_info}
+             "compile_s_per_shape": {str(k): v for k, v in getattr(runner, "compile_s", {}).items()}, "tree": tree_info}
     return methods, setup, head
 
 
@@ -503,7 +503,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m inference.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True)
     p.add_argument("--draft", default=None, help="head folder (native or exported), for the head's methods")
     p.add_argument("--draft-model", default=None, help="a smaller causal LM's folder sharing the target's "
@@ -574,7 +574,3 @@ def main(argv: list[str] | None = None) -> None:
     print(f"greedy match {result['greedy_match']}, divergences {div['near_tie']} near-tie / "
           f"{div['float32_replay_match']} identical when replayed in float32 / {div['real_mismatch']} real")
     print(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    raise SystemExit(run_main(main))

@@ -29,6 +29,7 @@ still verifies (greedy), and the draft's q is its own distribution over those to
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -38,21 +39,22 @@ from transformers import StaticCache
 from drafthead.masks import to_additive
 from drafthead.utils import cache_argument
 
-from .attention import kv_length_kwargs
-from .batch_tree import BatchTree
-from .sampling import SamplingParams, target_probs
-from .slots import SlotMap, keep_leading_rows
-from .small_gemm import int8_weights, live_entries, use_int8_weights
-from .static_runner import compile_step, set_write_slot, static_cache
+from ..cpu.small_gemm import int8_weights, live_entries, use_int8_weights
+from ..runners.attention import kv_length_kwargs
+from ..runners.compile import compile_step
+from ..runners.kv import SlotMap, keep_leading_rows, set_write_slot, static_cache
+from ..sampling import SamplingParams, target_probs
+from ..tree import DraftTree
 
 
 DRAFT_WEIGHTS = ("same", "int8")
 
 
 class StreamingSelfDrafter:
-    """A batched drafter (batch_tree.BatchDrafter): the target with a StreamingLLM KV drafts chains of `gamma`."""
+    """A drafter (drafter.Drafter): the target with a StreamingLLM KV drafts chains of `gamma`."""
 
     name = "self"
+    origin_names = ("self",)
     feature_layers: list[int] = []
 
     def __init__(self, model: nn.Module, sink: int = 4, window: int = 512, gamma: int = 3, compile: bool = False,
@@ -77,11 +79,9 @@ class StreamingSelfDrafter:
                 raise ValueError("a draft vocabulary needs an lm_head without bias")
             self.vocab = vocab.to(lm_head.weight.device, torch.long)
             self.vocab_weight = lm_head.weight.detach()[self.vocab].contiguous()  # (K, H)
-        # the draft buffers' guards are skipped (compile_step's `unguarded`; ~0.25 ms a draft token at 8 rows): each
-        # batch size has its own buffers for the drafter's life (begin), and its own graph (the tokens' shape). On
-        # CPU the step's ~270 small calls are made from C++ (cpp_wrapper): SmolLM2 int8, 8 rows, window 256, γ 3,
-        # 2-core Zen 4 EPYC, in-process A/B over 5 decodes: 28.3 -> 26.8-27.1 ms of drafting a verification (the
-        # batch verify, bound by its attention and GEMMs, gained nothing from it and keeps the Python wrapper)
+        # the draft buffers' guards are skipped (compile_step's `unguarded`): each batch size has its own buffers for
+        # the drafter's life (begin), and its own graph (the tokens' shape); on CPU the step's many small calls are
+        # made from C++ (cpp_wrapper; results/HISTORY_LONG_CONTEXT.md)
         device = next(model.parameters()).device
         self._step = (compile_step(self._draft_step, device, name="self_draft", unguarded=("self.cache",),
                                    cpp_wrapper=device.type == "cpu") if compile else self._draft_step)
@@ -112,6 +112,9 @@ class StreamingSelfDrafter:
     def kv_shape(self) -> tuple[int, ...]:
         """Shape of one layer's draft key buffer (B, kv_heads, sink + window + gamma + 1, head_dim)."""
         return tuple(self.cache.layers[0].keys.shape)
+
+    def session(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # the target's own forward, inside the target runner's session
 
     def begin(self, runner, input_ids, attention_mask, features) -> None:
         """Fresh draft buffers for the runner's rows, filled with the prompt's sinks and last `window` entries."""
@@ -160,7 +163,7 @@ class StreamingSelfDrafter:
 
     @torch.inference_mode()
     def propose(self, roots: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator | None = None) -> BatchTree:
+                generator: torch.Generator | None = None) -> DraftTree:
         b = roots.shape[0]
         self.drafted_from = self.runner.positions
         full = self.slot_pos.shape[0]  # the draft batch: b alive rows, then copies of the last one
@@ -190,13 +193,13 @@ class StreamingSelfDrafter:
             else:
                 tokens = greedy
             drafted.append(tokens[:b])
-        return BatchTree.chain(roots, torch.cat(drafted, dim=1), torch.stack(qs, dim=1) if qs else None)
+        return DraftTree.chain(roots, torch.cat(drafted, dim=1), torch.stack(qs, dim=1) if qs else None)
 
     def skip(self, roots: torch.Tensor) -> None:
         """A plain step instead of a draft: accept() then copies what it commits, from the positions as they are."""
         self.drafted_from = self.runner.positions
 
-    def accept(self, paths, new_tokens, features) -> None:
+    def accept(self, accepted, features) -> None:
         """The runner has committed each row's accepted path: copy those entries into the draft buffers."""
         self._refresh(self.drafted_from, self.runner.positions)
 

@@ -1,17 +1,15 @@
-"""The batched decoding loop: every row drafts its tree, the target verifies all rows' trees in ONE forward, each
-row keeps its own accepted path, and rows that stop leave the batch — or, with a queue of waiting requests
-(continuous batching), hand their row to the next request.
+"""The decoding loop, for every batch size (batch 1 is B = 1): prefill, then {propose, verify, accept, commit, stop}.
 
-Host syncs per step, each needed: each row's accepted tokens (`.tolist()`: stop checks), each row's accepted path
-(`nonzero` in verify_greedy; sampling walks the tree on the host), the longest row (the runner's write slot), and
-on CUDA the timers. Per-row work on the host is a loop over at most B rows of a few small ops.
+Every row drafts its tree, the target verifies all rows' trees in ONE forward, each row keeps its own accepted path,
+and rows that stop leave the batch, or, with a queue of waiting requests (continuous batching), hand their row to
+the next request.
 
-A row that stops takes the next waiting request, if any: its prefilled KV is copied into the row (runner.admit)
-and the drafter starts that row afresh (drafter.admit), so the batch stays full while requests wait and no row
-waits for the slowest one. Without waiting requests, a row that stops leaves the batch at once: the rows still
-decoding stay the leading rows of the runner's buffers (a row from the back fills the place of a row that
-stopped, the only KV copied), and the runner's attention and GEMMs skip the rows after them, so a stopped row
-stops costing the bulk of a long-context step.
+Host syncs per step: the accepted paths and tokens of every row, moved to the host in one transfer (verify.py;
+sampling walks each row's tree on the host instead); with `profile` on CUDA, one more between drafting and
+verification to split their times. A row that stops takes the next waiting request, if any: its prefilled KV is
+copied into the row (runner.admit) and the drafter starts that row afresh (drafter.admit). Without waiting
+requests, a row that stops leaves at once: the rows still decoding stay the leading rows of the runner's buffers
+(a row from the back fills the place of a row that stopped, the only KV copied).
 """
 
 from __future__ import annotations
@@ -22,17 +20,18 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .batch_runner import BatchRunner
-from .batch_switch import SpeculationSwitch
-from .batch_tree import BatchDrafter, BatchTree
+from .drafter import Drafter
 from .sampling import SamplingParams, pick_next, target_probs
-from .verify import verify_greedy, verify_sampling
+from .stats import GenerationStats
+from .switch import SpeculationSwitch
+from .tree import DraftTree
+from .verify import verify_greedy, verify_sampling_rows
 
 
 @dataclass
 class Request:
     """A prefilled request waiting for a row: its prompt `ids` (T,), the target's KV of the prompt (per layer
-    (keys, values), each (1, kv_heads, T, head_dim): BatchRunner.export_rows), the prompt's last logits (V,) and
+    (keys, values), each (1, kv_heads, T, head_dim): StaticRunner.export_rows), the prompt's last logits (V,) and
     the head's features (T, F) or None, and the stop conditions of its row."""
 
     ids: torch.Tensor
@@ -42,24 +41,25 @@ class Request:
     stopper: Any
 
 
-def decode_batch(runner: BatchRunner, drafter: BatchDrafter, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 params: SamplingParams, stoppers: list[Any], generator: torch.Generator | None,
-                 stats: Any, sync: Callable[[], None], prefilled: tuple | None = None,
-                 waiting: Iterator[Request] | None = None, switch: SpeculationSwitch | None = None) -> list[list[int]]:
+def decode(runner, drafter: Drafter, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,
+           stoppers: list[Any], generator: torch.Generator | None, stats: GenerationStats,
+           sync: Callable[[], None] = lambda: None, prefilled: tuple | None = None,
+           waiting: Iterator[Request] | None = None, switch: SpeculationSwitch | None = None,
+           streamer: Any = None) -> list[list[int]]:
     """Decode every row of left-padded `input_ids` (B, T) until its stopper says so, then each `waiting` request in
     the first row that frees up. Returns the new tokens of each row, then of each admitted request in admission
-    order; fills `stats` (per-row accepted lengths and steps, draft and verify time, admit_time_s,
-    prefill_time_s, and the busy_* figures of the steps with every row decoding). `prefilled`: the (logits,
-    features) of runner.prefill() already run on these rows (a benchmark reusing one prefill). `switch`: speculate
-    only on the steps where it pays, taking plain steps (every row's root verified alone) on the others
-    (batch_switch.py; the drafter's skip() keeps it in step); counted in stats.plain_steps."""
+    order; fills `stats`. `prefilled`: the (logits, features) of runner.prefill() already run on these rows (a
+    benchmark reusing one prefill). `switch`: speculate only on the steps where it pays (switch.py). `streamer`
+    (one row): receives the prompt, then each step's emitted tokens. `sync`: waits for the device (profiling)."""
     if switch is not None:
         switch.reset()
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
     t0 = time.perf_counter()
     logits, features = prefilled if prefilled is not None else runner.prefill(input_ids, attention_mask)
     roots = pick_next(logits, params, generator)  # (B,)
     drafter.begin(runner, input_ids, attention_mask, features)
-    sync()
+    batches = [[t] for t in roots.tolist()]
     stats.target_forwards += 1
     start = time.perf_counter()  # decoding starts: the busy steps are timed from here
     stats.prefill_time_s = start - t0
@@ -69,13 +69,14 @@ def decode_batch(runner: BatchRunner, drafter: BatchDrafter, input_ids: torch.Te
     done = [False] * len(rows)  # finished rows still in the batch (verified, never committed)
     new: list[list[int]] = [[] for _ in rows]
     stats.rows_steps = [0] * len(rows)
-    batches = [[t] for t in roots.tolist()]
-    empty = torch.zeros(0, dtype=torch.long, device=roots.device)
 
     def settle(k: int) -> None:  # row k's new tokens, up to where its request stops
         keep = stoppers[rows[k]].cut(new[rows[k]], batches[k])
-        new[rows[k]] += batches[k] if keep is None else batches[k][:keep]
+        emitted = batches[k] if keep is None else batches[k][:keep]
+        new[rows[k]] += emitted
         done[k] = keep is not None
+        if streamer is not None and emitted:
+            streamer.put(torch.tensor(emitted))
 
     while True:
         for k in range(len(rows)):
@@ -102,7 +103,6 @@ def decode_batch(runner: BatchRunner, drafter: BatchDrafter, input_ids: torch.Te
             stoppers.append(request.stopper)
             stats.rows_steps.append(0)
             settle(k)
-            sync()
             stats.admit_time_s += time.perf_counter() - a0
         if all(done):
             break
@@ -122,27 +122,21 @@ def decode_batch(runner: BatchRunner, drafter: BatchDrafter, input_ids: torch.Te
             tree = drafter.propose(roots, params, generator)
         else:
             drafter.skip(roots)
-            tree = BatchTree.chain(roots)
+            tree = DraftTree.chain(roots)
         sync()
         t1 = time.perf_counter()
         logits, features, greedy = runner.verify(tree.tokens, tree.depths, tree.ancestors)
-        paths, accepted = [], []
-        for k in range(len(rows)):
-            if done[k]:
-                path, tokens = empty, empty
-            elif params.do_sample:
-                path, tokens = verify_sampling(target_probs(logits[k], params), tree.row(k), generator)
-            else:
-                path, tokens = verify_greedy(None, tree.row(k), greedy[k])
-            paths.append(path)
-            accepted.append(tokens)
-        runner.commit(paths)
-        drafter.accept(paths, accepted, features)
-        batches = [tokens.tolist() for tokens in accepted]
-        roots = torch.stack([tokens[-1] if tokens.numel() else root for tokens, root in zip(accepted, roots)])
-        sync()
-        stats.target_forwards += 1
-        stats.accept_lengths += [len(b) for b, d in zip(batches, done) if not d]
+        going = [not d for d in done]
+        if params.do_sample:
+            accepted = verify_sampling_rows(target_probs(logits, params), tree, going, generator)
+        else:
+            accepted = verify_greedy(tree, greedy, going)
+        runner.commit(accepted)
+        drafter.accept(accepted, features)
+        batches = accepted.host_tokens
+        last = accepted.tokens.gather(1, (accepted.counts - 1).clamp_min(0)[:, None])[:, 0]
+        roots = torch.where(accepted.counts > 0, last, roots)
+        stats.count(tree, accepted, drafter.origin_names, going)
         for row, d in zip(rows, done):
             stats.rows_steps[row] += not d
         stats.draft_time_s += t1 - t0
@@ -150,4 +144,6 @@ def decode_batch(runner: BatchRunner, drafter: BatchDrafter, input_ids: torch.Te
         if switch is not None:
             switch.record(speculate, live, time.perf_counter() - t0, [len(b) for b, d in zip(batches, done) if not d])
             stats.plain_steps += not speculate
+    if streamer is not None:
+        streamer.end()
     return new

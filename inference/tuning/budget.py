@@ -6,20 +6,16 @@
    its rank among its siblings, its rank within its depth and its score rank, and whether it was accepted.
 3. For each candidate (depth, top_k, total_tokens), replay the recorded trees under that budget (the nodes a smaller
    tree would have kept; a path is accepted up to its first node the budget drops), giving the expected tokens per
-   step tau, and predict tokens/s as tau / (draft + verify + overhead). On a compiled runner the drafting costs of
-   step 1 come from the head's passes compiled piecewise (shared by every shape).
+   step tau, and predict tokens/s as tau / (draft + verify + overhead).
 4. Trial: the best predicted tree of each of the few best verify sizes, and plain decoding, decode the calibration
-   prompts on the runner itself, taking turns (each tree's drafting step compiled whole, as decoding runs it); the
-   measured ms per step (prefill excluded) times the replayed tau decides, and plain decoding wins unless a tree
-   is measured faster. Predictions alone were not enough: on a 2-core Zen 4 EPYC an 8-token verification cost
-   ~2.5 ms more than a plain step when timed alone but ~7 ms more inside decoding over an 1,152-slot buffer, and
-   the tuner chose a 7-token tree that ran at 1.25x plain decoding where a 3-token tree ran at 1.39x.
+   prompts on the runner itself, taking turns; the measured ms per step (prefill excluded) times the replayed tau
+   decides, and plain decoding wins unless a tree is measured faster. Predictions alone were not enough: a
+   verification costs more inside decoding than timed alone (results/HISTORY.md).
 5. Draft vocabulary (optional, `--draft-vocab auto`): the chosen tree decodes the calibration prompts with the
    head pruned to a few vocabulary sizes (and unpruned), taking turns; the fastest measured keeps its place.
 6. Lookup branch (optional): the chosen tree decodes the calibration prompts again, alone and with the
-   prompt-lookup branch merged in (hybrid.py), taking turns; the branch stays if it measured at least as fast. On
-   the 80 MT-bench prompts on a 2-core Zen 4 EPYC it added 13 % (152.7 vs 134.8 tokens/s, a 2/2/3 tree + 6 lookup
-   tokens): the branch costs nothing where nothing in the context matches, and the target copies a lot.
+   prompt-lookup branch merged in (drafters/lookup.py), taking turns; the branch stays if it measured at least as
+   fast: it costs nothing where nothing in the context matches, and the target copies a lot.
 GPU-tuned trees (60 tokens) are wrong on a CPU, where verifying 16 tokens already costs ~1.7x a single step.
 """
 
@@ -35,12 +31,12 @@ import torch.nn as nn
 
 from drafthead import DraftHead
 from drafthead.hardware import synchronizer
-from drafthead.masks import causal_allowed
 
-from .engine import SpeculativeGenerator
-from .head_runner import head_runner_for
-from .runner import make_runner
-from .tree import TREE_PRESETS, DraftTree, TreeDrafter, TreeOptions
+from ..drafter import Accepted
+from ..drafters.eagle import HeadDrafter
+from ..engine import SpeculativeGenerator
+from ..runners import make_runner
+from ..tree import TREE_PRESETS, DraftTree, TreeOptions
 
 CALIBRATION_TREE = TreeOptions(depth=8, top_k=10, total_tokens=80)
 DEPTHS = range(1, 9)
@@ -48,11 +44,8 @@ TOP_KS = (1, 2, 3, 4, 6, 8, 10)
 TOTALS = tuple(range(1, 17)) + (20, 24, 28, 32, 40, 48, 56, 60, 64, 80)
 TRIAL_TREES = 4  # the best predicted tree of this many verify sizes decodes for real before the choice
 TRIAL_ROUNDS = 2  # each trial generator decodes every calibration prompt this many times (taking turns)
-# a tree with a larger verify bucket must beat the best smaller one by this factor in the trial: on a 2-core Zen 4
-# EPYC the trial rated an 8-token bucket's tree above a 4-token one by 3 % and by 6 % (136 vs 132, 134 vs 126
-# tokens/s), and both times the larger tree then decoded the 80 MT-bench prompts at 1.27x the engine's plain
-# decoding, against 1.34-1.41x in the runs with 4-token trees (2026-11-26); larger buckets' cost grows more with the
-# context and varies more with the machine's slow and fast spells than three short calibration prompts show
+# a tree with a larger verify bucket must beat the best smaller one by this factor in the trial: three short
+# calibration prompts rated larger trees a few per cent ahead that then decoded slower (results/HISTORY.md)
 LARGER_TREE_MARGIN = 1.10
 
 
@@ -69,21 +62,28 @@ class NodeRecord:
     accepted: bool
 
 
-class RecordingDrafter(TreeDrafter):
-    """A TreeDrafter that also records every verified tree and its accepted path (NodeRecords per step)."""
+class RecordingDrafter(HeadDrafter):
+    """A HeadDrafter that also records every verified tree of its one row and its accepted path (NodeRecords per
+    step)."""
 
     def __init__(self, head: DraftHead, options: TreeOptions):
-        super().__init__(head, options, head_runner_for(head))
+        super().__init__(head, options)
         self.records: list[list[NodeRecord]] = []
         self.tree: DraftTree | None = None
 
-    def propose(self, root, params=None, generator=None) -> DraftTree:
-        self.tree = super().propose(root, params, generator)
+    def propose(self, roots, params=None, generator=None) -> DraftTree:
+        self.tree = super().propose(roots, params, generator)
         return self.tree
 
-    def accept(self, path, new_tokens, features) -> None:
-        self.records.append(record_tree(len(self.records), self.tree, path))
-        super().accept(path, new_tokens, features)
+    def accept(self, accepted: Accepted, features) -> None:
+        self.records.append(record_tree(len(self.records), self.tree, accepted.host_paths[0]))
+        super().accept(accepted, features)
+
+
+def nothing_accepted(device: torch.device) -> Accepted:
+    """A verification that keeps nothing (a timed step that leaves the runner's sequence as it was)."""
+    none = torch.full((1, 1), -1, dtype=torch.long, device=device)
+    return Accepted(none, none, torch.zeros(1, dtype=torch.long, device=device), [[]], [[]])
 
 
 def _median_ms(fn: Callable[[], object], reps: int, device: torch.device,
@@ -116,22 +116,22 @@ def verify_sizes(runner) -> tuple[int, ...]:
 def measure_verify_ms(runner, prefix: torch.Tensor, sizes, reps: int = 15) -> dict[int, float]:
     """{n: median ms of one target forward over a chain-shaped tree of n drafted tokens + the root after `prefix`
     (1, T)}; n = 0 is a plain decoding step. The sizes take turns, one timed forward each per round, so the
-    machine's drift hits them alike (timed size by size, 5 each, two runs on one 2-core EPYC put a 7-token verify
-    2.1 and 3.5 ms above a plain step, and a 3-token one -0.3 and 1.4 ms: enough to flip the tree chosen)."""
+    machine's drift hits them alike (timed size by size, the order of two close sizes flipped between runs)."""
     device = prefix.device
+    nothing = nothing_accepted(device)
     steps = {}
     for n in (0,) + tuple(sizes):
         tokens = prefix[:, -(n + 1):] if prefix.shape[1] > n else prefix[:, :1].repeat(1, n + 1)
-        chain = (tokens, torch.arange(n + 1, device=device), causal_allowed(n + 1, 0, device))
+        chain = DraftTree.chain(tokens[:, 0], tokens[:, 1:])
 
         def step(chain=chain):
-            runner.verify(*chain)
-            runner.commit(torch.zeros(0, dtype=torch.long, device=device), chain[0].shape[1])
+            runner.verify(chain.tokens, chain.depths, chain.ancestors)
+            runner.commit(nothing)
 
         steps[n] = step
     times = {n: [] for n in steps}
+    runner.reset(1, prefix.shape[1] + max((0,) + tuple(sizes)) + 1)
     with runner.session():
-        runner.reset(prefix.shape[1])
         runner.prefill(prefix)
         for step in steps.values():
             step()  # warm-up (and the one-time compile of this shape)
@@ -142,41 +142,41 @@ def measure_verify_ms(runner, prefix: torch.Tensor, sizes, reps: int = 15) -> di
 
 
 @torch.inference_mode()
-def measure_draft_ms(runner, head: DraftHead, prefix: torch.Tensor, trees: list[TreeOptions], reps: int = 5,
-                     compile: bool = False) -> dict[TreeOptions, float]:
+def measure_draft_ms(runner, head: DraftHead, prefix: torch.Tensor, trees: list[TreeOptions],
+                     reps: int = 5) -> dict[TreeOptions, float]:
     """Median ms of one drafting step for each tree shape: feeding the true pairs of the last verification (two of
-    them; the feed is padded to depth + 1 anyway) and drafting the next tree, with the head's shared HeadRunner,
-    compiled or not like the generators that will use it (compiled: the head's passes piecewise, shared by every
-    shape; decoding compiles each shape's step whole, which the trial measures, measure_decoding_ms). Each
-    timed draft follows a target step, as in decoding, where the target's forward streams its weights through the
-    CPU caches between two drafts (a 2/4 draft on a 2-core Zen 5 EPYC, SmolLM2's head in bf16: 1.2 ms timed back
-    to back, 2.3-2.5 ms after a target step, 2.5 ms a step inside decoding)."""
+    them) and drafting the next tree, as decoding runs it. Each timed draft follows a target step, as in decoding,
+    where the target's forward streams its weights through the CPU caches between two drafts (timed back to back a
+    draft measured half its cost inside decoding)."""
     device = prefix.device
+    t = prefix.shape[1]
+    nothing = nothing_accepted(device)
+    runner.reset(1, t + 2)
     with runner.session():  # the target's attention kernel, also for the target steps between the drafts
-        runner.reset(prefix.shape[1])
         _, features = runner.prefill(prefix)
-        one_token = (prefix[:, -1:], torch.zeros(1, dtype=torch.long, device=device),
-                     torch.ones(1, 1, dtype=torch.bool, device=device))
-        nothing = torch.zeros(0, dtype=torch.long, device=device)
+        one_token = DraftTree.chain(prefix[:, -1])
 
         def target_step():
-            runner.verify(*one_token)
-            runner.commit(nothing, 1)
+            runner.verify(one_token.tokens, one_token.depths, one_token.ancestors)
+            runner.commit(nothing)
 
-        start = prefix.shape[1] - 3  # the prompt fed up to here; each step re-feeds the last two pairs
-        root = prefix[0, -1:]
+        roots = prefix[:, -1]
+        pairs = dict(features=features[:, t - 2:], tokens=prefix[:, t - 2:], valid=torch.ones(1, 2, dtype=torch.bool,
+                                                                                                device=device),
+                     positions=torch.arange(t - 2, t, device=device)[None],
+                     is_root=torch.tensor([[False, True]], device=device))
         out = {}
         for options in trees:
-            drafter = TreeDrafter(head, options, head_runner_for(head, compile), whole=False)
-            drafter.reset(prefix.shape[1])
-            drafter.runner.append(prefix[:, 1: start + 1], features[:, :start], 0)
+            drafter = HeadDrafter(head, options)
+            drafter.begin(runner, prefix, torch.ones_like(prefix), features)
+            drafter.propose(roots)  # the prompt's pairs
 
-            def step():
-                drafter.stable = start
-                drafter.pending = (features[:, start: start + 2], prefix[:, start + 1: start + 2])
-                drafter.propose(root)
+            def step():  # the last two pairs again, then the tree
+                drafter.next_pos.fill_(t - 2)
+                drafter.pending = dict(pairs)
+                drafter.propose(roots)
 
-            step()  # warm-up (and the one-time compile of this shape)
+            step()  # warm-up
             out[options] = _median_ms(step, reps, device, between=target_step)
         return out
 
@@ -197,8 +197,7 @@ def _decode_in_turns(gens: dict, inputs: list[torch.Tensor], max_new_tokens: int
 def measure_decoding_ms(model: nn.Module, head: DraftHead, runner, trees: list[TreeOptions | None],
                         inputs: list[torch.Tensor], max_new_tokens: int, rounds: int = TRIAL_ROUNDS) -> dict:
     """{tree: median ms per decoding step (prefill excluded)} of real greedy generations of `inputs` on `runner`
-    (None: plain decoding): each tree's drafting step compiled whole when the runner compiles, the verification,
-    compaction and bookkeeping, all as decoding runs them, the generators taking turns (_decode_in_turns)."""
+    (None: plain decoding): drafting, verification, compaction and bookkeeping, all as decoding runs them, the generators taking turns (_decode_in_turns)."""
     compiled = getattr(runner, "compiled", False)
     gens = {tree: SpeculativeGenerator(model, head if tree else None, tree=tree or "none", runner=runner,
                                        compile=compiled) for tree in trees}
@@ -257,13 +256,14 @@ def _ranks(values: torch.Tensor) -> torch.Tensor:
     return ranks
 
 
-def record_tree(step: int, tree: DraftTree, path: torch.Tensor) -> list[NodeRecord]:
-    """Records of a verified tree's drafted nodes (root excluded). path: accepted tree indices, root first."""
-    scores = tree.scores[1:].float().cpu()
-    parents = tree.parents[1:].cpu() - 1  # index among drafted nodes; -1 = child of the root
-    depths = tree.depths[1:].cpu()
+def record_tree(step: int, tree: DraftTree, path: list[int]) -> list[NodeRecord]:
+    """Records of row 0's verified tree's drafted nodes (root excluded). path: accepted tree indices, root
+    first."""
+    scores = tree.scores[0, 1:].float().cpu()
+    parents = tree.parents[0, 1:].cpu() - 1  # index among drafted nodes; -1 = child of the root
+    depths = tree.depths[0, 1:].cpu()
     accepted = torch.zeros(len(scores), dtype=torch.bool)
-    accepted[path[1:].cpu() - 1] = True
+    accepted[torch.tensor(path[1:], dtype=torch.long) - 1] = True
     score_rank = _ranks(scores)
     depth_rank = torch.empty_like(score_rank)
     sibling_rank = torch.empty_like(score_rank)
@@ -327,7 +327,7 @@ def auto_tree(
     generator will use: pass it; default a new static-or-eager runner). Returns (options, report); options is None
     when plain decoding on the same runner was measured at least as fast as every tree in the trial.
     lookup_tokens > 0: the chosen tree then decodes once more with the prompt-lookup branch of up to that many
-    tokens (hybrid drafting, hybrid.py) against itself alone, and report["lookup_branch"]["chosen"] says whether
+    tokens (drafters/lookup.py) against itself alone, and report["lookup_branch"]["chosen"] says whether
     the branch was measured at least as fast (then generate with hybrid=True and report["lookup_branch"]["tokens"]:
     on a static runner the branch gets at most what the largest verify bucket leaves beside the tree).
     vocab_heads ({draft vocabulary size: head pruned to it}): the chosen tree then decodes with each
@@ -335,9 +335,10 @@ def auto_tree(
     it. The tree itself is tuned with `head`."""
     if runner is None:
         runner = make_runner(model, head.config.aux_layer_ids)
-    # acceptance does not depend on the runner: record it on the eager one, which takes trees of any size
+    # acceptance does not depend on the runner: record it on an uncompiled one of its own (a bucket for the
+    # calibration tree)
     recorder = RecordingDrafter(head, CALIBRATION_TREE)
-    gen = SpeculativeGenerator(model, recorder, tree=CALIBRATION_TREE, runner="eager")
+    gen = SpeculativeGenerator(model, recorder, compile=False)
     records = recorder.records
     overhead_ms = []
     last = None
@@ -351,10 +352,8 @@ def auto_tree(
     prefix = last[:, -256:] if last.shape[1] > 256 else last
     sizes = verify_sizes(runner)
     verify_ms = measure_verify_ms(runner, prefix, sizes)
-    compiled = getattr(runner, "compiled", False)
     shapes = [TreeOptions(depth=d, top_k=k, total_tokens=max(TOTALS)) for k in TOP_KS for d in DEPTHS]
-    draft_ms = {(o.depth, o.top_k): ms
-                for o, ms in measure_draft_ms(runner, head, prefix, shapes, compile=compiled).items()}
+    draft_ms = {(o.depth, o.top_k): ms for o, ms in measure_draft_ms(runner, head, prefix, shapes).items()}
     overhead = statistics.median(overhead_ms)
 
     def verify_size(total: int) -> int:  # a tree is padded to the next measured size

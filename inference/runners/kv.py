@@ -1,4 +1,5 @@
-"""Per-row KV slots: where each row of a batch keeps a logical position in a fixed KV buffer.
+"""Preallocated KV buffers: transformers' StaticCache with every layer in one tensor, and per-row slots (where each
+row of a batch keeps a logical position in a fixed buffer).
 
 Rows of a batch advance by different amounts, so their entries sit at different buffer slots. Two layouts:
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
+from transformers import StaticCache
 
 
 @dataclass(frozen=True)
@@ -79,3 +82,60 @@ def keep_leading_rows(kv: torch.Tensor, rows: list[int], used: list[slice] | Non
     elif moved:  # only the rows that move, gathered before any is written
         dst = torch.tensor(moved, device=kv.device)
         kv[:, :, dst] = kv[:, :, torch.tensor([rows[j] for j in moved], device=kv.device)]
+
+
+MIN_CAPACITY = 256
+CAPACITY_STEP = 128
+
+
+def static_cache_supported(model: nn.Module) -> str | None:
+    """None if the model can run on static buffers, else the reason (sliding-window or non-attention layers)."""
+    config = model.config.get_text_config(decoder=True)
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return f"sliding-window attention (window {config.sliding_window})"
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        return f"layer types {sorted(kinds)}"
+    return None
+
+
+def buffer_capacity(need: int) -> int:
+    """Slots of a preallocated KV buffer holding `need` tokens. Attention reads the whole buffer every step, so
+    keep it tight: the next multiple of 128, at least MIN_CAPACITY."""
+    return max(MIN_CAPACITY, -(-need // CAPACITY_STEP) * CAPACITY_STEP)
+
+
+def static_cache(model: nn.Module, batch: int, capacity: int) -> StaticCache:
+    """transformers' StaticCache for `batch` rows of `capacity` slots, allocated now in the model's dtype and
+    device (so a compiled step sees fixed buffer addresses from its first call). Every layer's keys and values
+    are views of ONE tensor, `cache.drafthead_kv` (2, layers, batch, kv_heads, capacity, head_dim), and every
+    layer's write position a view of `cache.drafthead_lengths` (layers,): moving the accepted slots of all layers
+    (compact_slots) and setting the write slot (set_write_slot) are one op each instead of one per layer (SmolLM2:
+    120 -> 2 and 30 -> 1 ops a step, ~0.15 ms on a 2-core EPYC)."""
+    config = model.config.get_text_config(decoder=True)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    ref = next(model.parameters())
+    cache = StaticCache(config=config, max_cache_len=capacity)
+    cache.early_initialization(batch, heads, head_dim, ref.dtype, ref.device)
+    kv = torch.zeros(2, len(cache.layers), batch, heads, capacity, head_dim, dtype=ref.dtype, device=ref.device)
+    lengths = torch.zeros(len(cache.layers), dtype=cache.layers[0].cumulative_length.dtype, device=ref.device)
+    for i, layer in enumerate(cache.layers):
+        layer.keys, layer.values, layer.cumulative_length = kv[0, i], kv[1, i], lengths[i]
+        for t in (layer.keys, layer.values, layer.cumulative_length):  # as StaticLayer does (CUDA graphs)
+            torch._dynamo.mark_static_address(t)
+    cache.drafthead_kv, cache.drafthead_lengths = kv, lengths
+    return cache
+
+
+def set_write_slot(cache: StaticCache, slot: int) -> None:
+    """The next tokens a forward writes into `cache` land at slots slot, slot+1, ... of every layer (transformers'
+    StaticLayer writes at its cumulative length, a tensor updated in place)."""
+    cache.drafthead_lengths.fill_(slot)
+
+
+def compact_slots(cache: StaticCache, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Every layer's keys and values at buffer slots `src` move to slots `dst` (all rows; a gather, then the
+    write)."""
+    kv = cache.drafthead_kv
+    kv.index_copy_(4, dst, kv.index_select(4, src))

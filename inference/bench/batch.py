@@ -33,21 +33,23 @@ from drafthead import load_head
 from drafthead.hardware import cpu_flags, resolve_dtype
 from drafthead.utils import place_module
 
-from .batch import Request, decode_batch
-from .batch_head import BatchHeadDrafter
-from .batch_lookup import BatchLookupBranch
-from .batch_queue import prefilled_requests
-from .batch_runner import BatchRunner
-from .batch_switch import SpeculationSwitch
-from .batch_tree import PlainBatchDrafter
-from .draft_vocab import frequent_tokens
-from .engine import GenerationStats, Stopper
-from .loading import load_causal_lm
+from ..batch_queue import prefilled_requests
+from ..decode import Request
+from ..decode import decode as decode_rows
+from ..drafter import PlainDrafter
+from ..drafters.eagle import HeadDrafter
+from ..drafters.lookup import LookupBranch
+from ..drafters.self_draft import StreamingSelfDrafter
+from ..loading import load_causal_lm
+from ..runners.compile import compile_setting
+from ..runners.static import StaticRunner
+from ..sampling import SamplingParams
+from ..stats import GenerationStats
+from ..stopping import Stopper
+from ..switch import SpeculationSwitch
+from ..tree import tree_options
+from ..tuning.draft_vocab import frequent_tokens
 from .long_context import long_prompts
-from .sampling import SamplingParams
-from .self_draft import StreamingSelfDrafter
-from .static_runner import compile_setting
-from .tree import tree_options
 
 BATCH_METHODS = {
     "plain": "plain batched decoding on the batch runner (the baseline)",
@@ -57,7 +59,7 @@ BATCH_METHODS = {
     "head": "EAGLE head trees, the head's KV over the whole context",
     "head_window": "EAGLE head trees, the head's KV windowed (sink + window)",
 }
-LOOKUP = "+lookup"  # a method's name + this: its trees with the prompt-lookup branch (batch_lookup.py)
+LOOKUP = "+lookup"  # a method's name + this: its trees with the prompt-lookup branch (drafters/lookup.py)
 BATCH_METHODS.update({name + LOOKUP: f"{name}, plus the prompt-lookup branch (--lookup-tokens, --lookup-nodes)"
                       for name in ("self", "self_int8", "head", "head_window")})
 AUTO = "_auto"  # a method's name + this: the same drafter, speculating only on the steps where it pays
@@ -88,7 +90,7 @@ def make_drafters(args, model, head, tokenizer=None) -> dict:
     """The methods' batched drafters by name."""
     options = tree_options(args.tree)
     streaming = dict(sink=args.sink, window=args.window, gamma=args.gamma, compile=args.compile)
-    drafters = {"plain": PlainBatchDrafter(), "self": StreamingSelfDrafter(model, **streaming)}
+    drafters = {"plain": PlainDrafter(), "self": StreamingSelfDrafter(model, **streaming)}
     if "self_vocab" in args.batch_methods:
         if not isinstance(args.draft_vocab, int):
             raise SystemExit("--batch-methods self_vocab needs --draft-vocab N (a number of tokens)")
@@ -99,15 +101,15 @@ def make_drafters(args, model, head, tokenizer=None) -> dict:
     if "self_int8" in bases:
         drafters["self_int8"] = StreamingSelfDrafter(model, **streaming, weights="int8")
     if head is not None:
-        drafters["head"] = BatchHeadDrafter(head, options)
-        drafters["head_window"] = BatchHeadDrafter(head, options, sink=args.sink, window=args.window)
+        drafters["head"] = HeadDrafter(head, options)
+        drafters["head_window"] = HeadDrafter(head, options, sink=args.sink, window=args.window)
     for name in bases & set(drafters):  # the same drafter object: its state is set afresh by every begin()
-        drafters[name + LOOKUP] = BatchLookupBranch(drafters[name], args.lookup_tokens, args.lookup_nodes)
+        drafters[name + LOOKUP] = LookupBranch(drafters[name], args.lookup_tokens, args.lookup_nodes)
     return {name: drafters[name.removesuffix(AUTO)] for name in args.batch_methods
             if name.removesuffix(AUTO) in drafters}
 
 
-def prefill_rows(runner: BatchRunner, prompts: list[list[int]], group: int = 4) -> tuple[list[dict], float]:
+def prefill_rows(runner: StaticRunner, prompts: list[list[int]], group: int = 4) -> tuple[list[dict], float]:
     """Prefill every prompt once (`group` rows at a time); each row's KV entries, last logits and features, to
     build any batch of these prompts from. Returns (rows, seconds)."""
     device = next(runner.model.parameters()).device
@@ -118,7 +120,7 @@ def prefill_rows(runner: BatchRunner, prompts: list[list[int]], group: int = 4) 
     return rows, time.perf_counter() - t0
 
 
-def run_group(runner: BatchRunner, drafters: dict, rows: list[dict], max_new: int, repeats: int = 1,
+def run_group(runner: StaticRunner, drafters: dict, rows: list[dict], max_new: int, repeats: int = 1,
               waiting: list[dict] = ()) -> dict:
     """Load one group of prefilled rows, then decode it with every drafter from a copy of that KV, `repeats` times
     in turn; each method's figures are those of its median run (all its runs' decode times are kept). `waiting`:
@@ -142,14 +144,14 @@ def run_group(runner: BatchRunner, drafters: dict, rows: list[dict], max_new: in
         stoppers = [Stopper(set(), [], None, new_tokens) for _ in range(b)]
         queue = (Request(row["ids"], row["kv"], row["logits"], row["features"], Stopper(set(), [], None, new_tokens))
                  for row in waiting)
-        counts = getattr(drafter, "proposed", 0), getattr(drafter, "accepted", 0)  # a lookup branch's nodes
         t0 = time.perf_counter()
         with runner.session(), torch.inference_mode():
-            new = decode_batch(runner, drafter, ids, mask, params, stoppers, None, stats, lambda: None,
-                               prefilled=prefilled, waiting=queue if waiting else None,
-                               switch=SpeculationSwitch() if name.endswith(AUTO) else None)
+            new = decode_rows(runner, drafter, ids, mask, params, stoppers, None, stats,
+                              prefilled=prefilled, waiting=queue if waiting else None,
+                              switch=SpeculationSwitch() if name.endswith(AUTO) else None)
         total = time.perf_counter() - t0
-        stats.lookup = [getattr(drafter, "proposed", 0) - counts[0], getattr(drafter, "accepted", 0) - counts[1]]
+        # the lookup branch's nodes (shared with the drafter's or not): proposed, accepted
+        stats.lookup = [stats.drafted_by.get("prompt_lookup", 0), stats.accepted_by.get("prompt_lookup", 0)]
         return new, stats, total
 
     for name, drafter in drafters.items():
@@ -225,8 +227,8 @@ def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
     args.compile = compile_setting(args.compile, device)
     drafters = make_drafters(args, model, head, tokenizer)
     names = list(drafters)
-    runner = BatchRunner(model, next((d.feature_layers for d in drafters.values() if d.feature_layers), []),
-                         compile=args.compile)
+    runner = StaticRunner(model, next((d.feature_layers for d in drafters.values() if d.feature_layers), []),
+                          compile=args.compile)
     result = {"target": str(args.target), "draft": str(args.draft), "device": str(device), "dtype": str(dtype),
               "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
               "tree": str(tree_options(args.tree)), "compile": args.compile, "sink": args.sink, "window": args.window,

@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from .cpu_kernels import BLOCK, FLOAT_BLOCK, avx2_kernels_available, kernels_available
+from .kernels import BLOCK, FLOAT_BLOCK, avx2_kernels_available, kernels_available
 
 # inputs of up to this many rows use the kernel (it streams the weights at 1-8 rows; at 16 it still costs half
 # of oneDNN's time; beyond that the step is no longer bound by the weights)

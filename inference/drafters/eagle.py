@@ -1,8 +1,11 @@
-"""EAGLE-2 dynamic trees for a batch of rows, with the head's KV full or windowed (StreamingLLM).
+"""EAGLE-2 dynamic trees from a draft head, for every row of a batch, with the head's KV full or windowed
+(StreamingLLM).
 
-The same drafting as tree.py's TreeDrafter, with a batch axis: every row expands its own top-k frontier at every
-depth in ONE head forward for the whole batch, and keeps its own best `total_tokens` candidates, so all rows'
-trees have the same size (one target verify shape). Rows sit at different positions: the head's buffer is
+The head keeps its KV across steps: the pairs (true target feature at t, token t+1) of each row. A drafting step
+first feeds the true pairs of the last verification (their last token is the root): the head's output there gives
+depth 1. Every row then expands its own top-k frontier at every depth in ONE head forward for the whole batch
+(tree.expand_tree), and keeps its own best `total_tokens` candidates (tree.select_tree), so all rows' trees have the
+same size (one target verify shape). Rows sit at different positions: the head's buffer is
 addressed per row (slots.py), its stable part holding each row's true pairs (target feature at t, token t+1) at
 the slot of position t, and a shared scratch region after it holding the drafted frontier nodes of the current
 tree.
@@ -15,19 +18,26 @@ prompt's pairs outside the window are never computed at all.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from drafthead.masks import to_additive
 from drafthead.model import DraftHead
 
-from .batch_tree import BatchTree
-from .head_runner import head_top_k
-from .slots import SlotMap, write_rows
-from .small_gemm import use_small_row_kernel
-from .tree import TreeOptions, expand_tree, select_tree
+from ..cpu.small_gemm import use_small_row_kernel
+from ..drafter import Accepted
+from ..runners.kv import SlotMap, write_rows
+from ..tree import DraftTree, TreeOptions, expand_tree, select_tree
 
 FEED_CHUNK = 256  # pairs per head forward when feeding a prompt
+
+
+def head_top_k(head: DraftHead, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden (..., H) -> (log-probs (..., k) float32, target ids (..., k)) of each row's top-k draft tokens."""
+    logp = torch.log_softmax(head.logits(hidden).float(), dim=-1)
+    top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+    return top.values, head.draft_to_target(top.indices)
 
 
 def widen(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -52,16 +62,16 @@ class RowSlotCache:
         return self.keys.shape[2]
 
 
-class BatchHeadDrafter:
-    """A batched drafter (batch_tree.BatchDrafter) drafting EAGLE-2 trees; see the module docstring."""
+class HeadDrafter:
+    """A drafter (drafter.Drafter) drafting EAGLE-2 trees with a DraftHead; see the module docstring."""
 
     name = "eagle"
+    origin_names = ("head",)
 
     def __init__(self, head: DraftHead, options: TreeOptions, sink: int = 0, window: int | None = None):
         self.head = head.eval()
-        # bf16 on a CPU with AVX512-BF16: the head's linears (fusion, layer, draft lm_head) multiply their few rows
-        # with the small-row kernel inside the runner's session, as the single-sequence HeadRunner's do (MKL's bf16
-        # GEMM took ~0.4 ms a call; SmolLM2's benchmark head, a 3,2,4 tree, 2-core Zen 4: 11.3 -> 6.6 ms at 1 row)
+        # bf16 on a CPU with AVX512-BF16: the head's linears multiply their few rows with the small-row kernel inside
+        # the runner's session (results/HISTORY.md)
         use_small_row_kernel(head)
         self.opt = options
         self.layout = SlotMap(sink, window)
@@ -86,7 +96,10 @@ class BatchHeadDrafter:
         """Shape of the head's key buffer (B, kv_heads, stable + tree slots, head_dim)."""
         return tuple(self.cache.keys.shape)
 
-    # ------------------------------------------------------------------------------ the batched protocol
+    def session(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # the head runs inside the target runner's session
+
+    # ------------------------------------------------------------------------------ the drafter protocol
     def begin(self, runner, input_ids: torch.Tensor, attention_mask, features: torch.Tensor) -> None:
         """Fresh buffers; the prompt's pairs (feature at t, token t+1) wait for the first roots (the last pair's
         token). Only the pairs the layout keeps are fed."""
@@ -111,7 +124,7 @@ class BatchHeadDrafter:
         self.pending = dict(features=features, tokens=tokens, positions=positions, valid=valid, is_root=is_root)
 
     @torch.inference_mode()
-    def propose(self, roots: torch.Tensor, params=None, generator=None) -> BatchTree:
+    def propose(self, roots: torch.Tensor, params=None, generator=None) -> DraftTree:
         """Feed each row's pending pairs (the last one's token is its root), then draft the rows' trees."""
         last, scores, tokens = self._feed(roots)
         return self._draft(roots, last, scores, tokens)
@@ -121,15 +134,13 @@ class BatchHeadDrafter:
         """A plain step instead of a tree: the pending pairs are fed all the same (accept() brings the next ones)."""
         self._feed_pending(roots)
 
-    def accept(self, paths: list[torch.Tensor], new_tokens: list[torch.Tensor], features: torch.Tensor) -> None:
+    def accept(self, accepted: Accepted, features: torch.Tensor) -> None:
         """Row i's pairs: the accepted nodes' true features, each with the token after it (the last: the root)."""
-        device = features.device
-        counts = torch.tensor([p.shape[0] for p in paths], device=device)
-        nodes = pad_sequence(paths, batch_first=True).to(device)  # (B, m); padding reads node 0, never used
+        nodes = accepted.paths.clamp_min(0)  # (B, W); padding reads node 0, never used
         feats = features.gather(1, nodes[..., None].expand(-1, -1, features.shape[-1]))
-        tokens = pad_sequence(new_tokens, batch_first=True).to(device)
-        j = torch.arange(nodes.shape[1], device=device)[None, :]
-        self._wait(feats, tokens, self.next_pos[:, None] + j, j < counts[:, None], j == counts[:, None] - 1)
+        j = torch.arange(nodes.shape[1], device=nodes.device)[None, :]
+        counts = accepted.counts[:, None]
+        self._wait(feats, accepted.tokens.clamp_min(0), self.next_pos[:, None] + j, j < counts, j == counts - 1)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         self.cache.keys, self.cache.values = self.cache.keys[rows], self.cache.values[rows]
@@ -207,7 +218,7 @@ class BatchHeadDrafter:
             last = pick if last is None else torch.where(inside, pick, last)
         return last
 
-    def _draft(self, roots, last, scores, tokens) -> BatchTree:
+    def _draft(self, roots, last, scores, tokens) -> DraftTree:
         """Expand every row's tree depth by depth (tree.expand_tree: one head forward per depth for the batch);
         the frontier is written at shared scratch slots after the stable part and attends each row's true pairs
         plus its own drafted ancestors."""
@@ -226,5 +237,4 @@ class BatchHeadDrafter:
             return (out, *head_top_k(self.head, out, k))
 
         candidates = expand_tree(scores, tokens, last, self.opt.depth, step)
-        tokens, parents, depths, ancestors, _ = select_tree(roots, *candidates, self.opt.total_tokens, self.opt.depth)
-        return BatchTree(tokens, parents, depths, ancestors)
+        return DraftTree(*select_tree(roots, *candidates, self.opt.total_tokens, self.opt.depth))

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from transformers import AttentionInterface
 
-from .cpu_kernels import avx2_kernels_available, kernels_available
+from ..cpu.kernels import avx2_kernels_available, kernels_available
 
 NAME = "drafthead_matmul"
 # Inside a compiled step, query blocks up to this size are traced (attend() inline: the compiler fuses the mask,

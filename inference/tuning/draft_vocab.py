@@ -17,7 +17,7 @@ import torch
 
 from drafthead.paths import cache_dir
 
-from .jsonl import iter_jsonl
+from ..jsonl import iter_jsonl
 
 ASSISTANT = {"gpt", "assistant", "chatgpt", "bard", "bing"}
 # `--draft-vocab auto`: the sizes the tuner tries (besides the unpruned head), and the one it tunes the tree with.

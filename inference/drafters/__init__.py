@@ -1,0 +1,1 @@
+"""Drafters: what fills the verification trees (the protocol is drafter.py)."""

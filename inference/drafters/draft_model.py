@@ -1,0 +1,174 @@
+"""Draft-model drafting: classic speculative sampling with a smaller causal LM (Leviathan et al. 2023; Chen et al.
+2023).
+
+The draft model keeps its own KV cache (a runner like the target's: static buffers where the architecture allows)
+and drafts a chain of `gamma` tokens: greedy, or sampled from its processed distribution q (same temperature,
+top-k and top-p as the target). The chain carries q, so verification accepts each token with min(1, p/q) and, on a
+rejection, draws the bonus from norm(max(0, p - q)) (verify.py); at temperature 0 this is exact matching. After
+verification the draft cache is rolled back to the accepted prefix: drafts it holds beyond it are forgotten, and
+accepted tokens it has not seen yet (the last draft, and always the bonus) are fed at the next proposal. Every row
+of a batch drafts at once on the draft's own static runner (rows feed different numbers of pending tokens: the
+shorter ones are padded and their padding never committed).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from drafthead.utils import place_module
+
+from ..drafter import Accepted
+from ..loading import load_causal_lm
+from ..runners import make_runner
+from ..sampling import SamplingParams, target_probs
+from ..tree import DraftTree
+
+
+class TokenizerMismatchError(ValueError):
+    """The draft model does not share the target's tokenizer."""
+
+
+def check_same_tokenizer(draft: nn.Module, target: nn.Module, draft_tokenizer: Any = None,
+                         target_tokenizer: Any = None) -> None:
+    """Refuse a draft model whose token ids mean something else than the target's: the vocabularies (token ->
+    id) must be equal when both tokenizers are given, else the configs' vocab sizes. Embedding rows beyond the
+    tokenizer (padding) may differ."""
+    if draft_tokenizer is not None and target_tokenizer is not None:
+        dv, tv = draft_tokenizer.get_vocab(), target_tokenizer.get_vocab()
+        if dv != tv:
+            differ = sorted(set(dv.items()) ^ set(tv.items()), key=lambda kv: kv[1])[:5]
+            raise TokenizerMismatchError(
+                f"the draft model's tokenizer differs from the target's ({len(dv)} vs {len(tv)} tokens; first "
+                f"differences {differ}): a draft model must share the target's tokenizer")
+        return
+    dv = draft.config.get_text_config(decoder=True).vocab_size
+    tv = target.config.get_text_config(decoder=True).vocab_size
+    if dv != tv:
+        raise TokenizerMismatchError(f"vocab size: draft model {dv}, target {tv}; a draft model must share the "
+                                     "target's tokenizer (pass both tokenizers to compare the vocabularies)")
+
+
+def load_draft_model(source: str | Path | nn.Module, target: nn.Module, target_tokenizer: Any = None) -> nn.Module:
+    """A smaller causal LM (folder or loaded model) on the target's device and dtype, in eval mode; refused with
+    TokenizerMismatchError when its tokenizer differs from the target's."""
+    ref = next(target.parameters())
+    model, tokenizer = load_causal_lm(source, ref.dtype, what="draft model")
+    model = place_module(model, ref.device, ref.dtype).eval()
+    check_same_tokenizer(model, target, tokenizer, target_tokenizer)
+    return model
+
+
+def match_vocab(probs: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Draft probabilities (..., V_draft) over the target's `vocab` ids: zero-padded, or cut and renormalised."""
+    v = probs.shape[-1]
+    if v < vocab:
+        return torch.nn.functional.pad(probs, (0, vocab - v))
+    if v > vocab:
+        probs = probs[..., :vocab]
+        return probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+class DraftModelDrafter:
+    """A drafter: chains of `gamma` tokens from a smaller LM with its own KV buffers, every row at once (module
+    docstring)."""
+
+    name = "draft_model"
+    origin_names = ("draft_model",)
+    feature_layers: list[int] = []
+
+    def __init__(self, model: nn.Module, target_vocab: int, gamma: int = 4, runner: str = "auto",
+                 compile: bool = False):
+        if gamma < 1:
+            raise ValueError(f"gamma must be >= 1, got {gamma}")
+        self.model = model.eval()
+        self.gamma = gamma
+        self.tree_size = gamma + 1
+        self.vocab = target_vocab
+        self.runner = make_runner(self.model, [], runner, compile)
+        self.device = next(model.parameters()).device
+        self.pending: list[list[int]] = []  # each row's accepted tokens not yet in the draft's cache
+        self.after_root: torch.Tensor | None = None  # (B,) each row's cache length right after its root was fed
+
+    def session(self):
+        """The draft runner's session (its attention kernel), entered once per generation by the engine."""
+        return self.runner.session()
+
+    def begin(self, runner, input_ids: torch.Tensor, attention_mask: torch.Tensor, features) -> None:
+        self.runner.reset(input_ids.shape[0], runner.capacity)
+        self.runner.prefill(input_ids, attention_mask)
+        self.pending = [[] for _ in range(input_ids.shape[0])]
+
+    def _feed(self, rows: list[list[int]]) -> torch.Tensor:
+        """Append each row's tokens (at least one a row) to the draft cache; the logits after each row's last one
+        (B, V)."""
+        counts = [len(r) for r in rows]
+        m = max(counts)
+        tokens = torch.tensor([r + [0] * (m - len(r)) for r in rows], device=self.device)
+        line = torch.arange(m, device=self.device)
+        b = len(rows)
+        logits, _, _ = self.runner.verify(tokens, line.expand(b, m),
+                                          torch.ones(m, m, dtype=torch.bool, device=self.device).tril().expand(b, m, m))
+        paths = torch.where(line[None, :] < torch.tensor(counts, device=self.device)[:, None], line, -1)
+        self.runner.commit(Accepted(paths, paths, torch.tensor(counts, device=self.device),
+                                    [list(range(c)) for c in counts], []))
+        last = torch.tensor(counts, device=self.device) - 1
+        return logits[torch.arange(b, device=self.device), last]
+
+    def _pick(self, logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next draft token of every row (B,) and the distribution it was drawn from (B, V) (greedy: None)."""
+        if params.do_sample:
+            q = match_vocab(target_probs(logits, params), self.vocab)
+            return torch.multinomial(q, 1, generator=generator).view(-1), q
+        return logits[:, : self.vocab].argmax(dim=-1), None
+
+    @torch.inference_mode()
+    def propose(self, roots: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator | None = None) -> DraftTree:
+        drafted, qs = [], []
+        rows = [pending + [root] for pending, root in zip(self.pending, roots.tolist())]
+        logits = self._feed(rows)
+        self.after_root = self.runner.length.clone()
+        for i in range(self.gamma):
+            token, q = self._pick(logits, params, generator)
+            drafted.append(token)
+            if q is not None:
+                qs.append(q)
+            if i < self.gamma - 1:  # the last draft is never fed: if accepted it goes with the bonus next time
+                logits = self._feed([[t] for t in token.tolist()])
+        return DraftTree.chain(roots, torch.stack(drafted, dim=1), torch.stack(qs, dim=1) if qs else None, origin=1)
+
+    def skip(self, roots: torch.Tensor) -> None:
+        """A plain step: the root waits, with the other accepted tokens, for the next proposal."""
+        self.after_root = None
+        for pending, root in zip(self.pending, roots.tolist()):
+            pending.append(root)
+
+    def accept(self, accepted: Accepted, features) -> None:
+        """Roll each row's cache back to its root + the accepted drafts it holds; the rest waits for the next
+        proposal."""
+        if self.after_root is None:  # after a plain step the cache holds nothing the target rejected
+            for pending, tokens in zip(self.pending, accepted.host_tokens):
+                pending += tokens[:-1]
+            return
+        held = [min(max(len(t) - 1, 0), self.gamma - 1) for t in accepted.host_tokens]  # accepted drafts cached
+        self.runner.truncate(self.after_root + torch.tensor(held, device=self.device))
+        self.pending = [tokens[h:-1] for tokens, h in zip(accepted.host_tokens, held)]
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        self.runner.keep_rows(rows)
+        self.pending = [self.pending[k] for k in rows.tolist()]
+
+    @torch.inference_mode()
+    def admit(self, row: int, runner, ids: torch.Tensor, features) -> None:
+        """Row `row` holds a new prompt: the draft model prefills it alone and its KV joins the draft's buffers."""
+        if not hasattr(self, "_prefill_runner"):
+            self._prefill_runner = make_runner(self.model, [], "static")
+        self._prefill_runner.reset(1, ids.shape[0])
+        self._prefill_runner.prefill(ids.view(1, -1))
+        self.runner.admit(row, self._prefill_runner.export_rows()[0]["kv"])
+        self.pending[row] = []

@@ -1,0 +1,202 @@
+"""Prompt-lookup drafting: copy what followed the latest earlier occurrence of the last few tokens, alone or as
+one more branch beside another drafter's trees.
+
+Draft-free (no model): each row's context is its prompt plus everything generated so far. For n from `max_ngram`
+down to `min_ngram`, find the most recent earlier position where the context's last n tokens occur, and propose the
+(up to) `tokens` tokens that followed it as a chain. Like transformers' `prompt_lookup_num_tokens`, but verified by
+this engine's runner; it pays on outputs that repeat their input (editing, extraction, code, summaries).
+
+LookupBranch composes: beside a drafter's trees (an EAGLE head's, a self-draft's chains) each row's chain is walked
+down from the root of that row's drafted tree, sharing the nodes the drafter already proposed (their origin gets
+both bits), and the rest hangs from the first token the drafter did not propose, at most `nodes` new nodes a row.
+Beside PlainDrafter (the root alone) it is prompt lookup on its own. The rows' trees of a step are padded to the
+largest with copies of a row's first drafted node (or of its root), which never changes what is accepted (greedy:
+the deepest correct path, first in index order, is kept; sampling: a copy is one more point-mass proposal against
+the residual, exact for any sequence of proposals, and always rejected when its token has already been rejected).
+The two guess different things (fluent continuations vs. copies from the context), and one tree can hold both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..drafter import Accepted, PlainDrafter
+from ..sampling import SamplingParams
+from ..tree import DraftTree
+
+
+def lookup_continuation(context: list[int], num_tokens: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    """The tokens after the most recent earlier match of the context's last n tokens (longest n first); [] if
+    none. A match must be followed by at least one token."""
+    end = len(context)
+    for n in range(min(max_ngram, end - 1), min_ngram - 1, -1):
+        pattern = context[end - n:]
+        first = pattern[0]
+        for start in range(end - n - 1, -1, -1):  # latest match first; a match must leave a token after it
+            if context[start] == first and context[start: start + n] == pattern:
+                return context[start + n: start + n + num_tokens]
+    return []
+
+
+class NgramIndex:
+    """One row's tokens with the latest start of every n-gram (1 <= n <= max_ngram) that a token follows."""
+
+    def __init__(self, tokens: list[int], max_ngram: int):
+        self.max_ngram = max_ngram
+        self.tokens: list[int] = list(tokens)
+        self.latest: dict[tuple[int, ...], int] = {}
+        seq, length = self.tokens, len(self.tokens)
+        for n in range(1, max_ngram + 1):  # in bulk (later starts overwrite): 8k tokens ~3.4 ms, half of extend()
+            grams = zip(*(seq[i: length - n + i] for i in range(n)))  # the n-grams starting at 0 .. length-n-1
+            self.latest.update(zip(grams, range(length - n)))
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append tokens; every n-gram that now has a token after it points to its newest start."""
+        seq = self.tokens
+        for token in tokens:
+            end = len(seq)  # the position `token` takes: the n-grams ending just before it are now followed
+            for n in range(1, min(self.max_ngram, end) + 1):
+                self.latest[tuple(seq[end - n: end])] = end - n
+            seq.append(token)
+
+    def continuation(self, num_tokens: int, min_ngram: int = 1) -> list[int]:
+        """What followed the latest earlier occurrence of the last n tokens (longest n first), at most num_tokens;
+        [] if none. The same as lookup_continuation on these tokens, without a scan of the context: where a scan
+        of an 8k-token context costs milliseconds in Python a step, this is a few dictionary reads."""
+        seq = self.tokens
+        for n in range(min(self.max_ngram, len(seq) - 1), min_ngram - 1, -1):
+            start = self.latest.get(tuple(seq[len(seq) - n:]))
+            if start is not None:
+                return seq[start + n: start + n + num_tokens]
+        return []
+
+
+def hang_chain(tokens: list[int], parents: list[int], depths: list[int], chain: list[int],
+               limit: int | None = None) -> list[int]:
+    """Walk `chain` down from the root of the tree (tokens, parents, depths: lists, parents before children),
+    sharing the nodes it already has and appending the rest in place, until the tree has `limit` nodes. Returns the
+    nodes the chain went through."""
+    child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i > 0}
+    node, path = 0, []
+    for token in chain:
+        found = child.get((node, token))
+        if found is None:
+            if limit is not None and len(tokens) >= limit:
+                break
+            found = len(tokens)
+            tokens.append(token)
+            parents.append(node)
+            depths.append(depths[node] + 1)
+            child[(node, token)] = found
+        path.append(found)
+        node = found
+    return path
+
+
+class LookupBranch:
+    """A drafter: `drafter`'s trees with each row's prompt-lookup chain of up to `tokens` merged in, adding at most
+    `nodes` nodes a row (module docstring)."""
+
+    def __init__(self, drafter, tokens: int = 10, nodes: int | None = None, max_ngram: int = 3, min_ngram: int = 1):
+        if tokens < 1:
+            raise ValueError(f"tokens must be >= 1, got {tokens}")
+        nodes = tokens if nodes is None else nodes
+        if not 1 <= nodes <= tokens:
+            raise ValueError(f"need 1 <= nodes <= tokens, got nodes={nodes}, tokens={tokens}")
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.drafter = drafter
+        self.tokens, self.nodes, self.max_ngram, self.min_ngram = tokens, nodes, max_ngram, min_ngram
+        self.alone = drafter.tree_size == 1  # prompt lookup on its own (beside plain decoding)
+        self.name = "prompt_lookup" if self.alone else f"{drafter.name}+lookup"
+        self.origin_names = ("prompt_lookup",) if self.alone else (*drafter.origin_names, "prompt_lookup")
+        self.tree_size = drafter.tree_size + nodes
+        self.rows: list[NgramIndex] = []
+
+    @property
+    def feature_layers(self) -> list[int]:
+        return self.drafter.feature_layers
+
+    def session(self) -> contextlib.AbstractContextManager:
+        return self.drafter.session()
+
+    def begin(self, runner, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+              features: torch.Tensor | None) -> None:
+        self.drafter.begin(runner, input_ids, attention_mask, features)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        self.rows = [NgramIndex(ids[mask.bool()].tolist(), self.max_ngram)
+                     for ids, mask in zip(input_ids, attention_mask)]
+
+    def admit(self, row: int, runner, ids: torch.Tensor, features: torch.Tensor | None) -> None:
+        self.drafter.admit(row, runner, ids, features)
+        self.rows[row] = NgramIndex(ids.tolist(), self.max_ngram)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        self.drafter.keep_rows(rows)
+        self.rows = [self.rows[k] for k in rows.tolist()]
+
+    def skip(self, roots: torch.Tensor) -> None:
+        self.drafter.skip(roots)
+        for index, root in zip(self.rows, roots.tolist()):
+            index.extend([root])
+
+    def accept(self, accepted: Accepted, features: torch.Tensor | None) -> None:
+        """The accepted drafted tokens join each row's context (the bonus token joins as the next root)."""
+        self.drafter.accept(accepted, features)
+        for index, tokens in zip(self.rows, accepted.host_tokens):
+            index.extend(tokens[:-1])
+
+    @torch.inference_mode()
+    def propose(self, roots: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator | None = None) -> DraftTree:
+        tree = self.drafter.propose(roots, params, generator)
+        chains = []
+        for index, root in zip(self.rows, roots.tolist()):
+            index.extend([root])
+            chains.append(index.continuation(self.tokens, self.min_ngram))
+        return self._merge(tree, chains)
+
+    def _merge(self, tree: DraftTree, chains: list[list[int]]) -> DraftTree:
+        """`tree` with each row's chain hung from its root (shared nodes reused), the rows padded to the largest."""
+        b, n = tree.tokens.shape
+        head, lookup = (1, 2) if not self.alone else (0, 1)  # origin bits
+        tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
+        origin = tree.origin.tolist() if tree.origin is not None else [[0] + [head] * (n - 1) for _ in range(b)]
+        for row_tokens, row_parents, row_depths, row_origin, chain in zip(tokens, parents, depths, origin, chains):
+            path = hang_chain(row_tokens, row_parents, row_depths, chain, limit=n + self.nodes)
+            row_origin += [0] * (len(row_tokens) - n)
+            for node in path:
+                row_origin[node] |= lookup
+        size = max(len(t) for t in tokens)
+        if size == n and self.alone:  # nothing drafted in any row
+            return tree
+        for row_tokens, row_parents, row_depths, row_origin in zip(tokens, parents, depths, origin):
+            first = 1 if len(row_tokens) > 1 else 0  # padding: copies of the first drafted node (or of the root)
+            while len(row_tokens) < size:
+                row_tokens.append(row_tokens[first])
+                row_parents.append(row_parents[first] if first else 0)
+                row_depths.append(row_depths[first] if first else 1)
+                row_origin.append(0)
+        device = tree.tokens.device
+        parents_t = torch.tensor(parents, device=device)
+        ancestors = torch.zeros(b, size, size, dtype=torch.bool, device=device)
+        ancestors[:, :n, :n] = tree.ancestors
+        rows = torch.arange(b, device=device)
+        for i in range(n, size):  # parents before children: each new node's parent row is complete
+            ancestors[:, i] = ancestors[rows, parents_t[:, i]]
+            ancestors[:, i, i] = True
+        merged = DraftTree(torch.tensor(tokens, device=device), parents_t, torch.tensor(depths, device=device),
+                           ancestors, origin=torch.tensor(origin, device=device))
+        if tree.q is not None:  # the lookup's nodes are point masses
+            onehot = torch.zeros(b, size - n, tree.q.shape[-1], dtype=tree.q.dtype, device=device)
+            onehot.scatter_(2, merged.tokens[:, n:, None], 1.0)
+            merged.q = torch.cat([tree.q, onehot], dim=1)
+        return merged
+
+
+def prompt_lookup(tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1) -> LookupBranch:
+    """Prompt lookup on its own: chains of up to `tokens` tokens copied from each row's context."""
+    return LookupBranch(PlainDrafter(), tokens, tokens, max_ngram, min_ngram)

@@ -1,0 +1,378 @@
+"""The target runner: B rows (batch 1 is B = 1) in preallocated KV buffers, each row advancing by its own accepted
+length; verify steps of fixed shapes, optionally compiled.
+
+Layout of one row in the (B, kv_heads, capacity, head_dim) buffers (transformers' StaticCache, every layer one view
+of a single tensor: kv.static_cache):
+
+    [ left padding | committed tokens: slots start_i .. length_i-1 | hole | tree: W .. W+n-1 | ... | scratch ]
+
+- prefill() takes left-padded prompts (B, T) with their attention mask: row i's tokens start at slot start_i; the
+  prompt runs in chunks under SDPA over the used prefix of the buffers.
+- verify() pads every row's tree to the next size in `buckets` (padded nodes attend only to themselves and are never
+  kept), so each bucket is one shape: one compiled graph (one CUDA graph) per bucket and buffer shape, never a
+  recompile while generating. The trees are written at the same slots W = max_i length_i with per-row positions
+  (length_i - start_i + depth) and a per-row 4D mask: the row's committed range plus its tree's ancestor pattern.
+- commit() copies each row's accepted nodes down to its own length (one gather + one scatter for every layer and
+  row at once), so a row's committed tokens stay contiguous and the hole never outlives a step.
+- The buffers keep their batch size while a batch decodes: the rows in use are always the leading rows,
+  keep_rows() moves the rows still decoding forward (only the rows that move are copied), and verify() pads its
+  inputs to the buffers' size, telling the attention kernel and the small-row GEMM the rows in use (a row that
+  stops stops costing attention and GEMM work). admit() puts a waiting request's prefilled KV into a finished row
+  instead (continuous batching).
+
+A compiled graph keeps the buffers it was traced with (and its own prepacked weights), so buffers of a new shape
+(rows, capacity) come with new steps, and the old buffers are freed with the old steps' graphs: memory stays that
+of one batch shape. The lengths are mirrored on the host, so a step needs no transfer to find where to write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from transformers import StaticCache
+
+from drafthead.capture import HiddenStateCapture
+from drafthead.masks import to_additive
+from drafthead.utils import cache_argument
+
+from ..cpu.small_gemm import BATCH_KERNEL_ROWS, live_entries, small_row_kernel, use_small_row_kernel
+from ..drafter import Accepted
+from .attention import PREFILL_NAME, attention_implementation, decoding_attention, kv_length_kwargs
+from .compile import compile_step, release_step
+from .kv import buffer_capacity, keep_leading_rows, set_write_slot, static_cache, static_cache_supported
+
+DEFAULT_BUCKETS = (1, 4, 8, 12, 16, 32, 64)
+# CPU without the small-row kernel: verify steps of up to this many rows x tokens are compiled with inductor's C++
+# GEMM templates (compile_step)
+SMALL_GEMM_ROWS = 4
+PREFILL_CHUNK = 512
+
+
+def attach_target(runner, model: nn.Module, feature_layers: list[int], refusal: str, compile: bool = False,
+                  float32_kernel: bool = False) -> None:
+    """The part of a static-buffer runner's set-up every runner shares: refuse a model the buffers cannot serve
+    (NotImplementedError starting with `refusal`), then set runner.model, .feature_layers, .capture (hooks on those
+    decoder layers, or None), .dtype, .device, .attention (the kernel switched in per session, which depends on
+    whether the runner's steps are `compile`d; attention.py) and .small_rows (bf16 on a CPU with AVX512-BF16, and
+    with `float32_kernel` float32 on one with AVX2: the model's linears multiply a step's few rows with small_gemm's
+    kernel inside a session; eager or compiled)."""
+    reason = static_cache_supported(model)
+    if reason is not None:
+        raise NotImplementedError(f"{refusal} {reason}")
+    runner.model = model
+    runner.cache_argument = cache_argument(model)
+    runner.feature_layers = list(feature_layers)
+    runner.capture = HiddenStateCapture(model, runner.feature_layers).attach() if runner.feature_layers else None
+    runner.dtype = next(model.parameters()).dtype
+    runner.device = next(model.parameters()).device
+    runner.attention = decoding_attention(runner.device, runner.dtype, compile)
+    runner.small_rows = use_small_row_kernel(model, float32=float32_kernel) > 0
+
+
+def decoding_session(runner, max_rows: int) -> contextlib.AbstractContextManager:
+    """A runner's decoding session: the model dispatches attention to the runner's kernel and (where the runner
+    uses it) multiplies steps of up to `max_rows` rows with the small-row GEMM kernel."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(attention_implementation(runner.model, runner.attention))
+    if runner.small_rows and max_rows:
+        stack.enter_context(small_row_kernel(max_rows))
+    return stack
+
+
+def forward_with_features(runner, forward) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits, the head's features or None) of `forward()`, a forward of the runner's model with its feature hooks
+    (attach_target) recording."""
+    if runner.capture is not None:
+        runner.capture.recording = True
+    out = forward()
+    features = None
+    if runner.capture is not None:
+        features = runner.capture.stacked(runner.feature_layers)
+        runner.capture.recording = False
+        # left empty, so a compiled step finds the same (empty) dict at every call: one graph, not a second one
+        # compiled for the dict's state after the first call
+        runner.capture.outputs.clear()
+    return out.logits, features
+
+
+def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket that holds n tokens."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"a tree of {n} tokens exceeds the largest verify bucket {buckets[-1]}")
+
+
+def forward_on_cache(model: nn.Module, cache: StaticCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                     allowed: torch.Tensor, write_at: int, kv_length: int | None = None, keep: int = 0):
+    """One forward of `model` (B, n tokens at explicit positions) over a StaticCache: the new entries are written at
+    slots write_at..write_at+n-1 for every row, and row b's query i attends the slots where allowed[b, i] (bool
+    (B, n, slots)). `kv_length`: the used slots, for this project's prefix-aware attention kernels. `keep`: logits
+    of the last `keep` positions only (0: all). Returns the model's output."""
+    set_write_slot(cache, write_at)
+    extra = kv_length_kwargs(model, kv_length)
+    return model(input_ids=input_ids, position_ids=position_ids,
+                 attention_mask=to_additive(allowed.unsqueeze(1), cache.layers[0].keys.dtype),
+                 **{cache_argument(model): cache}, use_cache=True, logits_to_keep=keep, **extra)
+
+
+class StaticRunner:
+    """The target runner over preallocated KV buffers (see the module docstring). `feature_layers`: decoder-layer
+    outputs the head reads ([] for none)."""
+
+    def __init__(self, model: nn.Module, feature_layers: list[int], compile: bool = False,
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, prefill_chunk: int = PREFILL_CHUNK):
+        attach_target(self, model, feature_layers, "static KV buffers do not support", compile, float32_kernel=True)
+        self.buckets = tuple(sorted(buckets))
+        self.prefill_chunk = prefill_chunk
+        self.compiled = compile
+        self.compile_s: dict[tuple[int, int, int], float] = {}  # (rows, capacity, bucket) -> first call's seconds
+        self._steps: dict[int, Callable] = {}  # bucket -> the verify step of the current buffers
+        self.cache: StaticCache | None = None
+        self.capacity = 0
+        self.slot_ids = torch.zeros(0, dtype=torch.long, device=self.device)  # arange(capacity)
+        self.start = self.length = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.lengths: list[int] = []  # self.length on the host
+        self.tree_at = 0  # W: the slot of the last verified tree's root
+
+    # --------------------------------------------------------------------------------------------- buffers
+    def reset(self, batch: int, length: int) -> None:
+        """Buffers for `batch` rows of up to `length` slots each (prompt with its padding + new tokens + the
+        largest tree; room for the largest bucket is added); reused when they already fit."""
+        capacity = buffer_capacity(length + self.buckets[-1] + 1)  # + the scratch slot
+        if self.cache is None or self.rows != batch or self.capacity < capacity:
+            # a compiled graph keeps the buffers it was traced with (and its own prepacked weights): new buffers get
+            # new steps, and the old buffers go with the old steps' graphs
+            for step in self._steps.values():
+                release_step(step)
+            self.cache, self._steps = None, {}  # the old buffers can go before the new ones are allocated
+            self.cache = static_cache(self.model, batch, capacity)
+            self.capacity = capacity
+            self.slot_ids = torch.arange(capacity, device=self.device)
+        self.start = self.length = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.lengths = [0] * batch
+
+    @property
+    def rows(self) -> int:
+        """Rows of the buffers (the batch the runner was reset for)."""
+        return self.cache.layers[0].keys.shape[0] if self.cache is not None else 0
+
+    @property
+    def batch(self) -> int:
+        """Rows in use: the leading `batch` rows of the buffers."""
+        return len(self.lengths)
+
+    @property
+    def scratch(self) -> int:
+        """A slot no row ever reads: padded copies land there."""
+        return self.capacity - 1
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """(B,) the next position of each row (its committed token count)."""
+        return self.length - self.start
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(keys, values) of the rows in use of every layer, each (B, kv_heads, capacity, head_dim): views of the
+        leading rows of the buffers."""
+        b = self.batch
+        return [(layer.keys[:b], layer.values[:b]) for layer in self.cache.layers]
+
+    def slots_of(self, positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Buffer slots of committed positions (B, M) of each row in use, or (R, M) of the rows `rows` (R,)."""
+        start = self.start if rows is None else self.start[rows]
+        return start[:, None] + positions
+
+    @torch.inference_mode()
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (indices into the rows in use), in that order, as the leading rows of the same buffers;
+        only the rows whose place changes are copied (so keep the rows that stay where they are)."""
+        index = rows.tolist()
+        used = [slice(int(start), self.lengths[k]) for start, k in zip(self.start[rows].tolist(), index)]
+        keep_leading_rows(self.cache.drafthead_kv, index, used)
+        self.start, self.length = self.start[rows], self.length[rows]
+        self.lengths = [self.lengths[k] for k in index]
+
+    def truncate(self, lengths: torch.Tensor) -> None:
+        """Row i forgets every committed token from slot lengths[i] on (a draft model rolling back its rejected
+        drafts); lengths (B,) on the device, none beyond the row's length."""
+        self.length = lengths
+        self.lengths = lengths.tolist()
+
+    def snapshot(self) -> dict:
+        """A copy of the buffers and row state (to rerun the same prefilled batch with another drafter)."""
+        return {"kv": [(k.clone(), v.clone()) for k, v in self.layers()], "start": self.start.clone(),
+                "length": self.length.clone()}
+
+    @torch.inference_mode()
+    def restore(self, state: dict) -> None:
+        """Back to a snapshot() of this runner (same rows), in the same buffers."""
+        self.start, self.length = state["start"].clone(), state["length"].clone()
+        self.lengths = self.length.tolist()
+        for (keys, values), (k, v) in zip(self.layers(), state["kv"]):
+            keys.copy_(k)
+            values.copy_(v)
+
+    def export_rows(self) -> list[dict]:
+        """Each row's committed entries [start_i, length_i) of every layer (to rebuild other batches from the
+        same prefilled prompts with load_rows)."""
+        rows = []
+        for i, start in enumerate(self.start.tolist()):
+            part = slice(start, self.lengths[i])
+            rows.append({"kv": [(k[i: i + 1, :, part].clone(), v[i: i + 1, :, part].clone())
+                                for k, v in self.layers()]})
+        return rows
+
+    @torch.inference_mode()
+    def load_rows(self, rows: list[dict]) -> None:
+        """Fill a reset() batch with rows from export_rows(), row i's entries from slot 0."""
+        for i, row in enumerate(rows):
+            self.admit(i, row["kv"])
+
+    @torch.inference_mode()
+    def admit(self, row: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Row `row` now holds another request: its prompt's entries `kv` (per layer (keys, values), each
+        (1, kv_heads, T, head_dim), as export_rows() gives them) from slot 0."""
+        t = kv[0][0].shape[2]
+        if t + self.buckets[-1] >= self.scratch:
+            raise RuntimeError(f"a {t}-token request does not fit the KV buffers ({self.capacity} slots)")
+        for (keys, values), (k, v) in zip(self.layers(), kv):
+            keys[row, :, :t] = k[0]
+            values[row, :, :t] = v[0]
+        index = torch.tensor([row], device=self.device)
+        self.start, self.length = self.start.index_fill(0, index, 0), self.length.index_fill(0, index, t)
+        self.lengths[row] = t
+
+    def session(self) -> contextlib.AbstractContextManager:
+        """The model dispatches attention to this runner's kernel inside it, and multiplies a step's rows x tree
+        tokens with the small-row GEMM (decoding_session). Float32 at one row compiled is the exception: inductor's
+        frozen GEMMs beat the kernel there (results/small_gemm_avx2_unrolled_zen3.json)."""
+        one_row_fp32 = self.rows == 1 and self.compiled and self.dtype == torch.float32
+        return decoding_session(self, 0 if one_row_fp32 else BATCH_KERNEL_ROWS)
+
+    def close(self) -> None:
+        if self.capture is not None:
+            self.capture.detach()
+
+    # --------------------------------------------------------------------------------------------- forward
+    def _step_forward(self, input_ids, position_ids, mask, kv_length, rows):
+        """One verify step over the whole buffers (B rows of the buffers, n tokens each; `mask` additive (B, 1, n,
+        capacity)); attention reads the first `kv_length` slots of the leading `rows` rows (0-dim tensors; rows
+        None for a one-row buffer). Returns (logits (B, n, V), features (B, n, F) or None, argmax (B, n)): the
+        compiled graph when compile is on."""
+        logits, features = forward_with_features(self, lambda: self.model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+            **{self.cache_argument: self.cache}, use_cache=True, **kv_length_kwargs(self.model, kv_length, rows)))
+        # the greedy choice inside the graph: a fused argmax beats eager low-precision argmax over the vocabulary
+        return logits, features, logits.argmax(dim=-1)
+
+    def _step(self, size: int) -> Callable:
+        """The verify step of a `size`-token bucket: eager, or its own compiled step for the current buffers (built
+        on first use; few rows x tokens with inductor's C++ GEMMs on CPU)."""
+        if not self.compiled:
+            return self._step_forward
+        if size not in self._steps:
+            small = self.rows * size <= SMALL_GEMM_ROWS and not self.small_rows
+            # the buffers' guards are skipped (`unguarded`): new buffers come with new steps (reset)
+            self._steps[size] = compile_step(self._step_forward, self.device, small_gemm=small,
+                                             name=f"verify{self.rows}x{size}", unguarded=("self.cache",))
+        return self._steps[size]
+
+    def _forward(self, input_ids, position_ids, allowed, write_at: int, kv_length: int | None, keep: int = 0):
+        return forward_with_features(self, lambda: forward_on_cache(self.model, self.cache, input_ids, position_ids,
+                                                                    allowed, write_at, kv_length, keep))
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Left-padded prompts (B, T) and their mask (1 = token, 0 = padding on the left). Returns (last logits
+        (B, V), features (B, T, F) or None; padded positions hold junk)."""
+        b, t = input_ids.shape
+        if b != self.batch:
+            raise ValueError(f"{b} prompts for a runner reset for {self.batch} rows")
+        if t + self.buckets[-1] >= self.scratch:
+            raise RuntimeError(f"a {t}-token prompt does not fit the KV buffers ({self.capacity} slots)")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        attention_mask = attention_mask.to(self.device).long()
+        start = t - attention_mask.sum(dim=1)
+        slot = self.slot_ids[:t]
+        if not torch.equal(attention_mask.bool(), slot[None, :] >= start[:, None]):
+            raise ValueError("batched prompts must be left-padded: each attention_mask row is 0s then 1s "
+                             "(tokenizer.padding_side = 'left')")
+        if (start >= t).any():
+            raise ValueError("every prompt needs at least one token")
+        self.start, self.length = start, torch.zeros_like(start)
+        positions = (slot[None, :] - start[:, None]).clamp_min(0)  # padding sits at position 0
+        keys = self.slot_ids
+        features = []
+        with attention_implementation(self.model, PREFILL_NAME):
+            for c0 in range(0, t, self.prefill_chunk):
+                c1 = min(c0 + self.prefill_chunk, t)
+                query = slot[c0:c1]
+                allowed = (keys[None, None, :] <= query[None, :, None]) & (keys[None, None, :] >= start[:, None, None])
+                allowed |= keys[None, None, :] == query[None, :, None]  # padding attends itself (never all-masked)
+                logits, feats = self._forward(input_ids[:, c0:c1].to(self.device), positions[:, c0:c1], allowed,
+                                              c0, c1, keep=1)
+                features.append(feats)
+        self.length = torch.full_like(start, t)
+        self.lengths = [t] * b
+        return logits[:, -1], (torch.cat(features, dim=1) if features[0] is not None else None)
+
+    @torch.inference_mode()
+    def verify(self, tokens: torch.Tensor, depths: torch.Tensor,
+               ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """One forward over every row's tree: tokens (B, n) root first; depths (B, n); ancestors (B, n, n) bool,
+        padded to the next bucket. Returns (logits (B, n, V), features (B, n, F) or None, argmax (B, n))."""
+        b, n = tokens.shape
+        size = bucket_for(n, self.buckets)
+        w = max(self.lengths)
+        if w + size > self.scratch:
+            raise RuntimeError(f"rows of up to {w} slots + a {size}-token tree exceed the KV buffers "
+                               f"({self.capacity}); reset() with the full length first")
+        keys = self.slot_ids
+        prefix = (keys[None, :] >= self.start[:, None]) & (keys[None, :] < self.length[:, None])  # (B, capacity)
+        allowed = prefix.unsqueeze(1).expand(b, size, self.capacity).clone()
+        if size > n:  # padded nodes: token 0 at the root's position, attending only to themselves
+            tokens = torch.cat([tokens, tokens.new_zeros(b, size - n)], dim=1)
+            depths = torch.cat([depths, depths.new_zeros(b, size - n)], dim=1)
+            grown = torch.eye(size, dtype=torch.bool, device=self.device).repeat(b, 1, 1)
+            grown[:, :n, :n] = ancestors
+            ancestors = grown
+        allowed[:, :, w: w + size] = ancestors
+        positions = self.positions[:, None] + depths
+        if b < self.rows:  # rows that stopped: repeat the last row in use (their writes land in unused rows)
+            pad = torch.arange(self.rows, device=self.device).clamp_max(b - 1)
+            tokens, positions, allowed = tokens[pad], positions[pad], allowed[pad]
+        else:  # a fresh tensor of standard strides (a compiled graph guards on strides)
+            tokens = tokens.contiguous()
+        set_write_slot(self.cache, w)
+        mask = to_additive(allowed.unsqueeze(1), self.dtype)
+        key = (self.rows, self.capacity, size)
+        t0 = time.perf_counter()
+        with live_entries(b) as rows:  # rows that stopped cost neither attention nor GEMM work
+            logits, features, greedy = self._step(size)(tokens, positions, mask, torch.tensor(w + size),
+                                                        rows if self.rows > 1 else None)
+        if key not in self.compile_s:
+            self.compile_s[key] = time.perf_counter() - t0
+        self.tree_at = w
+        return logits[:b, :n], (features[:b, :n] if features is not None else None), greedy[:b, :n]
+
+    @torch.inference_mode()
+    def commit(self, accepted: Accepted) -> None:
+        """Row i keeps the nodes accepted.paths[i] (indices into its last verified tree, root first) after its
+        committed tokens."""
+        paths, counts = accepted.paths, accepted.counts
+        j = torch.arange(paths.shape[1], device=self.device)
+        valid = j[None, :] < counts[:, None]
+        src = torch.where(valid, self.tree_at + paths, self.scratch)
+        dst = torch.where(valid, self.length[:, None] + j, self.scratch)
+        kv = self.cache.drafthead_kv  # (2, layers, rows, kv_heads, slots, head_dim): all layers (static_cache)
+        rows = torch.arange(self.batch, device=self.device)[:, None]
+        kv[:, :, rows, :, dst] = kv[:, :, rows, :, src]
+        self.length = self.length + counts
+        self.lengths = [n + len(p) for n, p in zip(self.lengths, accepted.host_paths)]
