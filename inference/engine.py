@@ -49,9 +49,6 @@ from .stopping import Stopper
 from .switch import SpeculationSwitch
 from .tree import DraftTree, TreeOptions, tree_options
 
-HYBRID_MIN_NGRAM = 2  # a lookup branch beside a head copies only after a match of two tokens or more
-
-
 @dataclass
 class GenerationOutput:
     sequences: torch.Tensor  # (B, prompt + new) long; a batch's shorter rows are right-padded
@@ -122,7 +119,7 @@ class SpeculativeGenerator:
         if hybrid:
             if not isinstance(self.drafter, (HeadDrafter, StreamingSelfDrafter)):
                 raise ValueError("hybrid=True adds prompt lookup to a draft head or to 'self'; this draft is neither")
-            self.drafter = LookupBranch(self.drafter, lookup_tokens, lookup_nodes, min_ngram=HYBRID_MIN_NGRAM)
+            self.drafter = LookupBranch(self.drafter, lookup_tokens, lookup_nodes)
         self.plain = isinstance(self.drafter, PlainDrafter)
         if self._runner is not None:
             self._check_runner(self._runner)

@@ -16,7 +16,7 @@ rm -rf "$work/src/drafthead" "$work/src/inference" "$work/src/train"  # only the
 cd "$work"
 export TORCH_EXTENSIONS_DIR="$work/extensions" HF_HUB_OFFLINE=1 DRAFTHEAD_CACHE="${DRAFTHEAD_CACHE:-$HOME/.cache/drafthead}"
 "$work/venv/bin/python" - <<'PY'
-import inference, inference.cpu_kernels as k
+import inference, inference.cpu.kernels as k
 from pathlib import Path
 print("installed:", Path(inference.__file__).parent)
 assert "site-packages" in inference.__file__, inference.__file__

@@ -29,7 +29,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from drafthead.utils import atomic_write_json, cache_argument  # noqa: E402
-from inference.long_context import long_prompts  # noqa: E402
+from inference.bench.long_context import long_prompts  # noqa: E402
 
 NAME = "draft_kv_policies"
 STATE: dict = {"draft": False, "observe": False, "first": 0, "keep": None, "window": 0, "mass": {}}

@@ -6,9 +6,9 @@
 Each method (engine plain decoding and speculative decoding with the head's tree) decodes the same prompts, the
 methods taking turns prompt by prompt for `--rounds` rounds (a shared machine has slow and fast spells). Per round
 and method: milliseconds per verification step of drafting (`draft`: the drafter's propose, of which `draft_step`
-is the head's compiled step), the target's verify forward (`verify`), the cache compaction (`commit`) and the
+is the head's tree expansion), the target's verify forward (`verify`), the cache compaction (`commit`) and the
 rest of the loop (`host`: the greedy check, the drafter's bookkeeping, stop checks), plus the prompt's prefill
-spread over the steps (`prefill`), τ and tokens/s of the loop. `--repeat-draft` runs the head's drafting step a
+spread over the steps (`prefill`), τ and tokens/s of the loop. `--repeat-draft` runs the head's tree expansion a
 second time right after each call, with the same inputs (the second call rewrites the same head cache slots with
 the same values: outputs do not change), and reports it as `draft_step_again`: the step with everything it reads
 warm, against the first call, which runs right after the target's step.
@@ -66,9 +66,8 @@ def instrument(generator: SpeculativeGenerator, repeat_draft: bool = False) -> P
     for name in ("prefill", "verify", "commit"):
         timer.wrap(runner, name, name)
     timer.wrap(drafter, "propose", "draft")
-    step = getattr(drafter, "step", None)  # a head's drafting step (tree.DraftStep)
-    if step is not None:
-        timer.wrap(step, "run", "draft_step", again="draft_step_again" if repeat_draft else None)
+    if hasattr(drafter, "_draft"):  # a head's tree expansion, after it fed the accepted pairs (drafters/eagle.py)
+        timer.wrap(drafter, "_draft", "draft_step", again="draft_step_again" if repeat_draft else None)
     return timer
 
 

@@ -26,12 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from drafthead.hardware import cpu_flags, resolve_dtype, synchronizer  # noqa: E402
 from drafthead.paths import cache_dir  # noqa: E402
 from drafthead.utils import atomic_write_json, place_module  # noqa: E402
-from inference.batch_runner import BatchRunner  # noqa: E402
+from inference.runners.static import StaticRunner  # noqa: E402
 from inference.loading import load_causal_lm  # noqa: E402
-from inference.static_runner import compile_setting  # noqa: E402
+from inference.runners.compile import compile_setting  # noqa: E402
 
 
-def measure(runner: BatchRunner, batch: int, context: int, queries: list[int], rounds: int) -> dict[int, list[float]]:
+def measure(runner: StaticRunner, batch: int, context: int, queries: list[int], rounds: int) -> dict[int, list[float]]:
     """Milliseconds of runner.verify for every n in `queries`, `rounds` times each, the sizes in turn."""
     runner.reset(batch, context + max(queries) + 1)
     gen = torch.Generator(device=runner.device).manual_seed(0)
@@ -81,7 +81,7 @@ def main() -> None:
     model = place_module(model, device, dtype).eval()
     queries = sorted({1, *(int(x) for x in args.queries.split(","))})  # ratios are to one token per row
     compile = compile_setting(args.compile, device)
-    times = measure(BatchRunner(model, [], compile=compile), args.batch_size, args.context, queries, args.rounds)
+    times = measure(StaticRunner(model, [], compile=compile), args.batch_size, args.context, queries, args.rounds)
     median = {n: statistics.median(t) for n, t in times.items()}
     result = {"target": str(args.target), "device": str(device), "dtype": str(dtype), "cpu_flags": cpu_flags(),
               "threads": torch.get_num_threads(), "compile": compile, "batch": args.batch_size, "context": args.context,

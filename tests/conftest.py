@@ -32,7 +32,7 @@ def pytest_configure(config):
     if workers:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     elif getattr(config.option, "numprocesses", None):
-        from inference.cpu_kernels import avx2_kernels_available, kernels_available
+        from inference.cpu.kernels import avx2_kernels_available, kernels_available
 
         kernels_available()
         avx2_kernels_available()

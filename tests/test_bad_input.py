@@ -217,7 +217,7 @@ TORCH_LIBRARY(drafthead_probe, m) { m.def("probe(Tensor x) -> Tensor"); }
 BUILD = """
 import sys
 from pathlib import Path
-from inference.cpu_kernels import _build
+from inference.cpu.kernels import _build
 print("built" if _build("drafthead_probe", [Path(sys.argv[1])], [], "probe", timeout=float(sys.argv[2]))
       else "fallback", flush=True)
 """
@@ -253,7 +253,7 @@ def test_a_kernel_build_killed_half_way_does_not_block_the_next(tmp_path):
 
 
 def test_a_build_held_by_another_process_falls_back_after_the_time_limit(tmp_path, capsys, monkeypatch):
-    from inference.cpu_kernels import _build, build_folder, build_lock
+    from inference.cpu.kernels import _build, build_folder, build_lock
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     source = tmp_path / "probe.cpp"

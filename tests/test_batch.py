@@ -4,6 +4,7 @@ streaming draft KV stays the same size however long the context."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -13,12 +14,13 @@ from test_inference_sampling import chi_square_p, first_two_law, sampling_target
 from tiny import tiny_model
 
 from inference import SamplingParams, SpeculativeGenerator
-from inference.attention import prefix_attention
-from inference.batch_lookup import BatchLookupBranch
-from inference.batch_runner import BatchRunner
-from inference.batch_switch import SpeculationSwitch
-from inference.self_draft import StreamingSelfDrafter
-from inference.slots import SlotMap
+from inference.drafters.draft_model import DraftModelDrafter
+from inference.drafters.lookup import LookupBranch, prompt_lookup
+from inference.drafters.self_draft import StreamingSelfDrafter
+from inference.runners.attention import prefix_attention
+from inference.runners.kv import SlotMap
+from inference.runners.static import StaticRunner
+from inference.switch import SpeculationSwitch
 
 torch.set_num_threads(1)
 LENGTHS = (5, 11, 2, 8)  # four rows of different prompt lengths
@@ -41,9 +43,13 @@ def row_prompts(vocab: int, seed: int = 0) -> list[torch.Tensor]:
 
 
 def generators(target, window: int = 4) -> dict[str, SpeculativeGenerator]:
-    """Every batched method on one target: plain, head trees (full and windowed KV), self-speculation (with the
-    target's whole vocabulary and with a draft vocabulary), and both with the prompt-lookup branch."""
+    """Every drafter on one target: plain, head trees (full and windowed KV), self-speculation (with the target's
+    whole vocabulary and with a draft vocabulary), both with the prompt-lookup branch, prompt lookup alone and a
+    draft model."""
     oracle = oracle_head(target).attach_target(target)
+    draft = copy.deepcopy(target)  # a draft model that mostly agrees with the target
+    with torch.no_grad():
+        draft.lm_head.weight.add_(0.05 * torch.randn_like(draft.lm_head.weight))
     return {
         "plain": SpeculativeGenerator(target, None, tree="none"),
         "head": SpeculativeGenerator(target, random_head(target).attach_target(target), tree=TREES["wide"]),
@@ -62,6 +68,8 @@ def generators(target, window: int = 4) -> dict[str, SpeculativeGenerator]:
                                             hybrid=True, lookup_tokens=4, lookup_nodes=2),
         "head_lookup": SpeculativeGenerator(target, random_head(target).attach_target(target), tree=TREES["wide"],
                                             hybrid=True, lookup_tokens=4, lookup_nodes=2),
+        "lookup": SpeculativeGenerator(target, prompt_lookup(4)),
+        "draft_model": SpeculativeGenerator(target, DraftModelDrafter(draft, target.config.vocab_size, gamma=3)),
     }
 
 
@@ -142,8 +150,9 @@ def test_batch_rows_that_hit_eos_stop_there():
 def test_continuous_batching_admits_waiting_requests_losslessly():
     """Two rows, then four waiting requests of other lengths, each taking the first row that frees up (rows stop at
     different steps: eos): every request's fp32 greedy output equals it decoded alone, for every batched method."""
-    from inference.batch import Request, decode_batch
-    from inference.engine import GenerationStats, Stopper
+    from inference.decode import Request, decode
+    from inference.stats import GenerationStats
+    from inference.stopping import Stopper
 
     target = near_bigram_target("llama")
     g = torch.Generator().manual_seed(7)
@@ -153,8 +162,8 @@ def test_continuous_batching_admits_waiting_requests_losslessly():
     eos = next(e for e in alone[0][:10] if len({a.index(e) if e in a else 20 for a in alone}) > 2)
     ends = [a.index(eos) + 1 if eos in a else 20 for a in alone]
     for name, gen in generators(target).items():
-        drafter = gen.batch_drafter
-        runner = gen.batch_runner
+        drafter = gen.drafter
+        runner = gen.runner
         requests = []
         for p in prompts[2:]:  # prefilled one by one, as a server prefills arrivals
             runner.reset(1, p.shape[0] + 20 + drafter.tree_size)
@@ -167,7 +176,7 @@ def test_continuous_batching_admits_waiting_requests_losslessly():
         runner.reset(2, 13 + 20 + drafter.tree_size)
         stats = GenerationStats()
         with runner.session():
-            new = decode_batch(runner, drafter, ids, torch.ones_like(ids), SamplingParams(),
+            new = decode(runner, drafter, ids, torch.ones_like(ids), SamplingParams(),
                                [Stopper({eos}, [], None, 20) for _ in range(2)], None, stats, lambda: None,
                                waiting=iter(requests))
         assert [len(r) for r in new] == ends, name
@@ -199,9 +208,9 @@ def test_generate_many_equals_each_prompt_alone(arch):
         assert out.new_tokens == [a[:e] for a, e in zip(alone, ends)], name
         assert out.stats.rows_new_tokens == ends and out.stats.new_tokens == sum(ends), name
         assert out.stats.admit_time_s > 0 and out.stats.busy_steps > 0, name
-        # the batched trees are the single-row trees: each prompt verified as often alone (but the lookup branch: one
-        # row alone takes the single-sequence hybrid's whole chain, a batch `lookup_nodes` of it)
-        if not gen.batch_only and not isinstance(gen.batch_drafter, BatchLookupBranch):
+        # the batched trees are the single-row trees: each prompt verified as often alone (but the lookup branch,
+        # whose rows are padded to the step's largest tree)
+        if not isinstance(gen.drafter, LookupBranch):
             alone_steps = [len(gen.generate(p[None], max_new_tokens=20, eos_token_id=eos).stats.accept_lengths)
                            for p in prompts]
             assert out.stats.rows_steps == alone_steps, name
@@ -228,13 +237,13 @@ def test_compiled_batch_keeps_one_graph_as_rows_leave():
     gen = SpeculativeGenerator(target, drafter, compile=True)
     for _ in range(2):
         assert_rows_match(gen, target, rows, max_new=30, eos=eos)
-        runner = gen.batch_runner
+        runner = gen.runner
         assert runner.batch < len(rows) and runner.rows == len(rows)  # finished rows left; the buffers kept shape
         assert drafter.alive < len(rows) and drafter.kv_shape[0] == len(rows)
     assert list(drafter.compile_s) == [len(rows)]
     assert sorted(n for _, _, n in runner.compile_s) == [4] and runner.compiled
     for pick in ([0, 1], [0, 1, 2, 3], [1, 3]):  # other batch sizes and back: new buffers, new graphs
-        step = runner._step
+        step = runner._steps[4]
         assert cached_graphs(step)
         assert_rows_match(gen, target, [rows[i] for i in pick], max_new=30, eos=eos)
         assert not cached_graphs(step)  # the replaced buffers' graphs were freed with them
@@ -266,7 +275,7 @@ def test_keep_rows_moves_each_kept_row_whole(keep):
     slots), whether the kept rows only move into freed places (copied in place) or cross (gathered first)."""
     target = tiny_model("llama")
     ids, mask = left_padded(row_prompts(target.config.vocab_size))
-    runner = BatchRunner(target, [])
+    runner = StaticRunner(target, [])
     drafter = StreamingSelfDrafter(target, sink=2, window=4, gamma=2)
     with runner.session(), torch.inference_mode():
         runner.reset(len(LENGTHS), ids.shape[1] + 8)
@@ -285,22 +294,29 @@ def test_keep_rows_moves_each_kept_row_whole(keep):
             assert torch.equal(drafter.cache.drafthead_kv[:, :, j], draft_before[:, :, row])
 
 
-def test_batch_of_one_is_the_single_sequence_path():
-    """B = 1 without padding takes the single-sequence engine; self-speculation takes the batched one. Both exact."""
+def test_batch_of_one_is_a_batch_whatever_its_padding():
+    """B = 1 is a batch of one row: with or without left padding, the same trees (the same steps) and the same tokens
+    as plain greedy decoding, for the self-draft, a windowed head and the hybrid head."""
     target = tiny_model("qwen2", seed=2)
     row = row_prompts(target.config.vocab_size)[1]
     ref = target.generate(row, do_sample=False, max_new_tokens=20)
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), row], dim=1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(row)], dim=1)
+    head = random_head(target).attach_target(target)
     for gen in (SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=1, window=3, gamma=2)),
-                SpeculativeGenerator(target, random_head(target).attach_target(target), tree=TREES["deep"],
-                                     draft_kv="streaming", window=5)):
+                SpeculativeGenerator(target, head, tree=TREES["deep"], draft_kv="streaming", window=5),
+                SpeculativeGenerator(target, head, tree=TREES["wide"], hybrid=True, lookup_tokens=4)):
         out = gen.generate(row, max_new_tokens=20)
-        assert torch.equal(out.sequences, ref)
-        assert gen.batch_only and out.stats.rows_new_tokens == [20]
+        assert torch.equal(out.sequences, ref) and out.stats.rows_new_tokens == [20]
+        again = gen.generate(padded, attention_mask=mask, max_new_tokens=20)
+        assert torch.equal(again.sequences[:, 3:], ref)
+        assert again.stats.accept_lengths == out.stats.accept_lengths
+
 
 
 def test_batch_sampling_follows_the_target_per_row():
     """Chi-square per prompt: the joint law of each prompt's first two sampled tokens, 3 different prompts in one
-    batch, self-speculation (draft q != p) and an oracle head, against the target's exact law (2,000 draws per
+    batch, self-speculation (draft q != p), an oracle head and a draft model, against the target's exact law (2,000 draws per
     prompt). Each batch holds every prompt `copies` times (rows in the order p0 p1 p2 p0 p1 p2 ...), so one
     verification samples 3 x copies rows; a draw shared between rows would repeat samples and fail the test."""
     params = SamplingParams(True, 0.7, 0, 0.9)
@@ -316,7 +332,9 @@ def test_batch_sampling_follows_the_target_per_row():
                 # the lookup branch's nodes are point masses beside the self-draft's sampled chain
                 SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=1, window=2, gamma=2), hybrid=True,
                                      lookup_tokens=3, lookup_nodes=2),
-                SpeculativeGenerator(target, oracle_head(target).attach_target(target), tree=TREES["wide"])):
+                SpeculativeGenerator(target, oracle_head(target).attach_target(target), tree=TREES["wide"]),
+                SpeculativeGenerator(target, DraftModelDrafter(tiny_model("llama", seed=4, vocab_size=16, num_layers=2),
+                                                               16, gamma=2))):
         g = torch.Generator().manual_seed(4)
         counts = [{} for _ in rows]
         accepted = 0
@@ -347,8 +365,8 @@ def test_streaming_draft_kv_is_constant_in_context_length():
         full_gen = SpeculativeGenerator(target, head, tree=TREES["wide"])
         for name, gen in (("self", self_gen), ("head_window", window_gen), ("head", full_gen)):
             gen.generate(ids, max_new_tokens=4, eos_token_id=[])
-            shapes[name, context] = gen.batch_drafter.kv_shape
-            shapes["target", context] = tuple(gen.batch_runner.layers()[0][0].shape)
+            shapes[name, context] = gen.drafter.kv_shape
+            shapes["target", context] = tuple(gen.runner.layers()[0][0].shape)
     assert shapes["self", 40] == shapes["self", 400] == (2, 2, 4 + 16 + 3 + 1, 16)
     assert shapes["head_window", 40] == shapes["head_window", 400]
     assert shapes["head", 40][2] < shapes["head", 400][2]
@@ -374,11 +392,6 @@ def test_batch_refusals():
         gen.generate(ids, attention_mask=mask.flip(1), max_new_tokens=2)
     with pytest.raises(ValueError, match="streamer"):
         gen.generate(ids, attention_mask=mask, max_new_tokens=2, streamer=object())
-    lookup = SpeculativeGenerator.from_pretrained(target, "prompt-lookup")
-    with pytest.raises(NotImplementedError, match="one row at a time"):
-        lookup.generate(ids, attention_mask=mask, max_new_tokens=2)
-    with pytest.raises(NotImplementedError, match="one row at a time"):
-        lookup.generate_many([ids[0]], max_new_tokens=2)
     with pytest.raises(ValueError, match="draft head or to 'self'"):
         SpeculativeGenerator.from_pretrained(target, "prompt-lookup", hybrid=True)
     with pytest.raises(ValueError, match="batch_size and prefill_group"):
@@ -392,20 +405,20 @@ def test_batch_refusals():
     with pytest.raises(ValueError, match="weights must be one of"):
         SpeculativeGenerator.from_pretrained(target, "self", draft_kv="streaming", draft_weights="int4")
     with pytest.raises(NotImplementedError, match="static KV"):
-        BatchRunner(tiny_model("mistral", sliding_window=8), [])
+        StaticRunner(tiny_model("mistral", sliding_window=8), [])
 
 
 def test_grid_cell_methods_decode_the_same_rows():
     """One grid cell on a tiny fp32 target: every method decodes the same prefilled rows (greedy rows equal plain
     decoding's), each `repeats` times in turn, and the cell reports the median run of each."""
-    from inference.batch_bench import prefill_rows, run_group, summarise_cell
-    from inference.batch_tree import PlainBatchDrafter
+    from inference.bench.batch import prefill_rows, run_group, summarise_cell
+    from inference.drafter import PlainDrafter
 
     target = near_bigram_target("llama")
     g = torch.Generator().manual_seed(5)
     prompts = torch.randint(3, target.config.vocab_size, (4, 40), generator=g).tolist()
-    runner = BatchRunner(target, [])
-    drafters = {"plain": PlainBatchDrafter(), "self": StreamingSelfDrafter(target, sink=2, window=8, gamma=3)}
+    runner = StaticRunner(target, [])
+    drafters = {"plain": PlainDrafter(), "self": StreamingSelfDrafter(target, sink=2, window=8, gamma=3)}
     drafters["self_auto"] = drafters["self"]  # the same drafter with the switch (batch_switch.py)
     rows, _ = prefill_rows(runner, prompts)
     group = run_group(runner, drafters, rows, max_new=16, repeats=3)
@@ -434,7 +447,7 @@ def test_verify_cost_script_times_every_size():
     spec = importlib.util.spec_from_file_location("verify_cost", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    runner = BatchRunner(tiny_model("llama"), [])
+    runner = StaticRunner(tiny_model("llama"), [])
     times = module.measure(runner, batch=2, context=20, queries=[1, 3], rounds=2)
     assert sorted(times) == [1, 3] and all(len(t) == 2 and min(t) > 0 for t in times.values())
     assert runner.length.tolist() == [20, 20]  # verify steps only: nothing committed
@@ -506,9 +519,9 @@ def test_switch_mixes_plain_and_speculative_steps_losslessly(arch):
             if name != "head":  # oracle drafts: the speculative steps still accept long paths
                 assert max(out.stats.accept_lengths) > 2, name
             if name == "head" and stop is None:  # every committed pair is in the head's KV but each row's last,
-                d = gen.batch_drafter  # which waits for the next step with its root
+                d = gen.drafter  # which waits for the next step with its root
                 fed = d.next_pos + d.pending["valid"].sum(dim=1)
-                assert fed.tolist() == gen.batch_runner.positions.tolist() == (d.slot_pos >= 0).sum(1).add(1).tolist()
+                assert fed.tolist() == gen.runner.positions.tolist() == (d.slot_pos >= 0).sum(1).add(1).tolist()
 
 
 def test_switch_speculates_only_where_it_pays():
@@ -552,7 +565,7 @@ def test_switch_speculates_only_where_it_pays():
 def test_grid_plot_is_written_with_and_without_the_busy_rates(tmp_path):
     """plot_grid draws one panel per method from the grid's JSON; cells with busy_speedup get its dotted line,
     and a JSON from before that field still plots."""
-    from inference.batch_bench import plot_grid
+    from inference.bench.batch import plot_grid
 
     def cell(batch, speedup, busy):
         self_figures = {"speedup": speedup, **({"busy_speedup": busy} if busy else {})}

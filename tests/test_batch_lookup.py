@@ -1,4 +1,4 @@
-"""The prompt-lookup branch of batched trees (inference/batch_lookup.py): its n-gram index finds what a scan of the
+"""The prompt-lookup branch of batched trees (inference/drafters/lookup.py): its n-gram index finds what a scan of the
 context finds, its merge hangs each row's chain where it leaves the drafter's tree within the node budget, and the
 branch's nodes are accepted where the target copies its context, losslessly."""
 
@@ -12,10 +12,9 @@ from test_batch import assert_rows_match, left_padded, row_prompts
 from test_inference_greedy import TREES, near_bigram_target, random_head
 
 from inference import SpeculativeGenerator
-from inference.batch_lookup import BatchLookupBranch
-from inference.batch_tree import BatchTree
-from inference.prompt_lookup import NgramIndex, lookup_continuation
-from inference.self_draft import StreamingSelfDrafter
+from inference.drafters.lookup import LookupBranch, NgramIndex, lookup_continuation
+from inference.tree import DraftTree
+from inference.drafters.self_draft import StreamingSelfDrafter
 
 torch.set_num_threads(1)
 
@@ -39,17 +38,17 @@ def test_ngram_index_finds_what_a_scan_finds():
 class FixedChain:
     """A stand-in batched drafter that proposes the same chain under every root (enough to exercise the merge)."""
 
-    name, tree_size, feature_layers = "fixed", 4, []
+    name, tree_size, feature_layers, origin_names = "fixed", 4, [], ("fixed",)
 
     def __init__(self, chain):
         self.chain = torch.tensor(chain)
 
     def propose(self, roots, params, generator=None):
-        return BatchTree.chain(roots, self.chain.expand(roots.shape[0], -1))
+        return DraftTree.chain(roots, self.chain.expand(roots.shape[0], -1))
 
 
-def merged(chain_by_row: list[list[int]], tokens: int, nodes: int) -> BatchTree:
-    branch = BatchLookupBranch(FixedChain([7, 8, 9]), tokens=tokens, nodes=nodes)
+def merged(chain_by_row: list[list[int]], tokens: int, nodes: int) -> DraftTree:
+    branch = LookupBranch(FixedChain([7, 8, 9]), tokens=tokens, nodes=nodes)
     return branch._merge(branch.drafter.propose(torch.tensor([1] * len(chain_by_row)), None), chain_by_row)
 
 
@@ -74,7 +73,7 @@ def test_merge_hangs_the_chain_where_it_leaves_the_tree_within_the_budget():
     one = merged([[7, 5, 6]], tokens=4, nodes=1)  # a budget of one node: 6 does not fit
     assert one.tokens[0].tolist() == [1, 7, 8, 9, 5] and one.parents[0].tolist() == [-1, 0, 1, 2, 1]
     with pytest.raises(ValueError, match="nodes"):
-        BatchLookupBranch(FixedChain([7]), tokens=2, nodes=3)
+        LookupBranch(FixedChain([7]), tokens=2, nodes=3)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -91,12 +90,12 @@ def test_lookup_branch_is_accepted_where_the_target_repeats_itself(arch):
     for nodes in (1, 3):
         gen = SpeculativeGenerator(target, head, tree=TREES["wide"], hybrid=True, lookup_tokens=4, lookup_nodes=nodes)
         assert_rows_match(gen, target, rows, max_new=30, eos=None)
-        branch = gen.batch_drafter
-        assert isinstance(branch, BatchLookupBranch) and branch.tree_size == TREES["wide"].tree_size + nodes
-        assert 0 < branch.accepted <= branch.proposed
+        branch = gen.drafter
+        assert isinstance(branch, LookupBranch) and branch.tree_size == TREES["wide"].tree_size + nodes
         out = gen.generate(ids, attention_mask=mask, max_new_tokens=30, eos_token_id=[]).stats
+        assert 0 < out.accepted_by["prompt_lookup"] <= out.drafted_by["prompt_lookup"]
         assert sum(out.rows_steps) < sum(base.rows_steps), nodes  # fewer verifications summed over the rows
     selfdraft = SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=1, window=2, gamma=2), hybrid=True,
                                      lookup_tokens=3, lookup_nodes=2)
     assert_rows_match(selfdraft, target, rows, max_new=30, eos=None)
-    assert selfdraft.batch_drafter.accepted > 0
+    assert selfdraft.generate(ids, attention_mask=mask, max_new_tokens=30).stats.accepted_by["prompt_lookup"] > 0

@@ -103,7 +103,7 @@ def test_auto_lookup_branch_makes_the_speculative_method_hybrid(tmp_path):
 
     from inference.bench import build_methods, build_parser
     from inference.hybrid import HybridDrafter
-    from inference.static_runner import StaticRunner
+    from inference.runners.static import StaticRunner
     from inference.tree import TreeOptions, TreeDrafter
 
     target_dir = save_tiny_target(tmp_path / "target")

@@ -7,8 +7,9 @@ import torch
 from test_inference_greedy import near_bigram_target, oracle_head, prompts
 from tiny import tiny_model
 
-from inference import TreeOptions, budget
-from inference.static_runner import StaticRunner, bucket_for
+from inference import TreeOptions
+from inference.tuning import budget
+from inference.runners.static import StaticRunner, bucket_for
 
 torch.set_num_threads(1)
 

@@ -1,4 +1,4 @@
-"""Pruning a head's draft vocabulary (DraftHead.pruned, inference.draft_vocab) and `--draft-vocab auto`: the pruned
+"""Pruning a head's draft vocabulary (DraftHead.pruned, inference.tuning.draft_vocab) and `--draft-vocab auto`: the pruned
 head drafts exactly the full head's logits over the kept tokens, decoding with it stays lossless, and the tuner
 measures each candidate size on the chosen tree."""
 
@@ -14,9 +14,10 @@ from tiny import tiny_head, tiny_model, tiny_tokenizer
 
 from conftest import save_tiny_target
 from drafthead import save_head
-from inference import SpeculativeGenerator, TreeOptions, budget
-from inference.draft_vocab import assistant_token_counts, parse_draft_vocab, vocab_candidates
-from inference.static_runner import StaticRunner
+from inference import SpeculativeGenerator, TreeOptions
+from inference.tuning import budget
+from inference.tuning.draft_vocab import assistant_token_counts, parse_draft_vocab, vocab_candidates
+from inference.runners.static import StaticRunner
 
 torch.set_num_threads(1)
 
@@ -157,7 +158,7 @@ def test_from_pretrained_draft_vocab(tmp_path, tiny_target_dir, sharegpt_path):
     most, a head is pruned to N rows; other drafters refuse it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from inference.draft_vocab import frequent_tokens
+    from inference.tuning.draft_vocab import frequent_tokens
 
     tok = AutoTokenizer.from_pretrained(tiny_target_dir)
     gen = SpeculativeGenerator.from_pretrained(tiny_target_dir, "self", draft_kv="streaming", window=8, draft_vocab=40)

@@ -14,12 +14,10 @@ from tiny import tiny_model, tiny_tokenizer
 
 import inference.verify
 from inference import SamplingParams, SpeculativeGenerator, TreeOptions
-from inference.draft_model import DraftModelDrafter, TokenizerMismatchError, check_same_tokenizer
-from inference.drafter import chain_tree
-from inference.hybrid import HEAD, LOOKUP, merge_chain
-from inference.prompt_lookup import PromptLookupDrafter, lookup_continuation
+from inference.drafters.draft_model import DraftModelDrafter, TokenizerMismatchError, check_same_tokenizer
+from inference.drafters.lookup import LookupBranch, lookup_continuation, prompt_lookup
 from inference.sampling import target_probs
-from inference.tree import DraftTree
+from inference.tree import DraftTree, ancestor_matrix
 from inference.verify import verify_sampling
 
 torch.set_num_threads(1)
@@ -51,7 +49,7 @@ def test_lookup_continuation_prefers_longest_then_latest_match():
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_prompt_lookup_greedy_lossless(arch, runner):
     target = near_bigram_target(arch, eps=0.05)  # next token mostly a function of the current one: it cycles
-    gen = SpeculativeGenerator(target, PromptLookupDrafter(num_tokens=5, max_ngram=2), runner=runner)
+    gen = SpeculativeGenerator(target, prompt_lookup(5, max_ngram=2), runner=runner)
     stats = assert_greedy_lossless(target, gen)
     # drafts were proposed, some accepted, some rejected
     drafted = sum(s.drafted_by["prompt_lookup"] for s in stats)
@@ -61,29 +59,38 @@ def test_prompt_lookup_greedy_lossless(arch, runner):
 
 def test_prompt_lookup_from_pretrained(tiny_target_dir):
     gen = SpeculativeGenerator.from_pretrained(tiny_target_dir, "prompt-lookup", lookup_tokens=4)
-    assert isinstance(gen.drafter, PromptLookupDrafter) and gen.drafter.num_tokens == 4
+    assert isinstance(gen.drafter, LookupBranch) and gen.drafter.tokens == 4 and gen.drafter.name == "prompt_lookup"
     ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
     ref = gen.target.generate(ids, do_sample=False, max_new_tokens=16)
     assert torch.equal(gen.generate(ids, max_new_tokens=16).sequences, ref)
 
 
 # ------------------------------------------------------------------------------------------------------ hybrid
-def test_merge_chain_shares_nodes_and_appends_the_rest():
+class FixedTrees:
+    """A stand-in drafter whose trees the test gives (LookupBranch only reads its name, size and origin names)."""
+
+    name, tree_size, origin_names = "eagle", 4, ("head",)
+
+
+def test_lookup_branch_shares_nodes_appends_the_rest_and_pads_rows():
     #        0(root)
     #      1(4)   2(5)
     #     3(6)
-    tree = DraftTree.build(torch.tensor([[9, 4, 5, 6]]), torch.tensor([-1, 0, 0, 1]), torch.tensor([0, 1, 1, 2]))
-    merged = merge_chain(tree, [4, 6, 8, 3])  # shares 4 -> 6, then adds 8 -> 3 under node 3
-    assert merged.tokens[0].tolist() == [9, 4, 5, 6, 8, 3]
-    assert merged.parents.tolist() == [-1, 0, 0, 1, 3, 4]
-    assert merged.depths.tolist() == [0, 1, 1, 2, 3, 4]
-    assert merged.origin.tolist() == [0, HEAD | LOOKUP, HEAD, HEAD | LOOKUP, LOOKUP, LOOKUP]
-    assert torch.equal(merged.ancestors.sum(1), merged.depths + 1)
-    assert merged.ancestors[5].nonzero().view(-1).tolist() == [0, 1, 3, 4, 5]
-    other = merge_chain(tree, [7, 7])  # a new branch from the root
-    assert other.parents.tolist() == [-1, 0, 0, 1, 0, 4]
-    same = merge_chain(tree, [5])  # nothing new
-    assert same.size == 4 and same.origin.tolist() == [0, HEAD, HEAD | LOOKUP, HEAD]
+    parents = torch.tensor([[-1, 0, 0, 1]]).repeat(3, 1)
+    tree = DraftTree(torch.tensor([[9, 4, 5, 6]]).repeat(3, 1), parents, torch.tensor([[0, 1, 1, 2]]).repeat(3, 1),
+                     ancestor_matrix(parents, 2))
+    head, lookup = 1, 2  # origin bits
+    branch = LookupBranch(FixedTrees(), tokens=4)
+    # row 0 shares 4 -> 6, then adds 8 -> 3 under node 3; row 1 a new branch from the root; row 2 nothing new
+    merged = branch._merge(tree, [[4, 6, 8, 3], [7, 7], [5]])
+    assert merged.tokens.tolist() == [[9, 4, 5, 6, 8, 3], [9, 4, 5, 6, 7, 7], [9, 4, 5, 6, 4, 4]]
+    assert merged.parents.tolist() == [[-1, 0, 0, 1, 3, 4], [-1, 0, 0, 1, 0, 4], [-1, 0, 0, 1, 0, 0]]
+    assert merged.depths[0].tolist() == [0, 1, 1, 2, 3, 4]
+    assert merged.origin.tolist() == [[0, head | lookup, head, head | lookup, lookup, lookup],
+                                      [0, head, head, head, lookup, lookup],
+                                      [0, head, head | lookup, head, 0, 0]]  # padding: copies of node 1
+    assert torch.equal(merged.ancestors.sum(2), merged.depths + 1)
+    assert merged.ancestors[0, 5].nonzero().view(-1).tolist() == [0, 1, 3, 4, 5]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -110,12 +117,12 @@ def test_hybrid_trees_fit_the_runner_or_are_refused_before_decoding():
     """The head's tree plus the lookup branch may outgrow the static runner's default buckets (the gpu preset's 61
     nodes + 10): the generator's own runner then gets a bucket that large and decodes losslessly; a runner passed in
     whose largest bucket is too small is refused at construction, saying what does not fit."""
-    from inference.static_runner import DEFAULT_BUCKETS, StaticRunner
+    from inference.runners.static import DEFAULT_BUCKETS, StaticRunner
 
     target = near_bigram_target("llama", eps=0.05)
     head = random_head(target).attach_target(target)
     gen = SpeculativeGenerator(target, head, tree="gpu", runner="static", hybrid=True, lookup_tokens=10)
-    largest = max(gen.drafter.tree_sizes())
+    largest = gen.drafter.tree_size
     assert largest > DEFAULT_BUCKETS[-1] and gen.runner.buckets[-1] == largest
     assert_greedy_lossless(target, gen, n_prompts=2, max_new=12)
     small = StaticRunner(target, head.config.aux_layer_ids, buckets=(1, 4, 8))
@@ -200,15 +207,16 @@ def chain_sampling_counts(draws: int, seed: int = 0) -> tuple[dict, dict]:
     for _ in range(draws):
         d1 = torch.multinomial(q1, 1, generator=g)
         d2 = torch.multinomial(q2[d1[0]], 1, generator=g)
-        tree = chain_tree(root, torch.cat([d1, d2]), torch.stack([q1, q2[d1[0]]]))
+        tree = DraftTree.chain(root, torch.cat([d1, d2])[None], torch.stack([q1, q2[d1[0]]])[None])
         probs = torch.stack([p1, p2[d1[0]], p1])  # the target at each node (the last row is never used here)
         _, new = verify_sampling(probs, tree, g)
         if len(new) == 1:  # d1 rejected: the next step drafts from q2 after the emitted token and verifies again
-            a = int(new[0])
+            a = new[0]
             d = torch.multinomial(q2[a], 1, generator=g)
-            _, more = verify_sampling(torch.stack([p2[a], p1]), chain_tree(root, d, q2[a].view(1, -1)), g)
-            new = torch.cat([new, more])
-        key = (int(new[0]), int(new[1]))
+            _, more = verify_sampling(torch.stack([p2[a], p1]), DraftTree.chain(root, d[None], q2[a].view(1, 1, -1)),
+                                      g)
+            new = new + more
+        key = (new[0], new[1])
         counts[key] = counts.get(key, 0) + 1
     expected = {(a, b): float(p1[a] * p2[a, b]) for a in range(vocab) for b in range(vocab)}
     return counts, expected

@@ -12,7 +12,6 @@ from tiny import tiny_model
 from drafthead import DraftHead, HeadConfig, HeadMismatchError
 from drafthead.capture import decoder_layers
 from inference import SpeculativeGenerator, TreeOptions
-from inference.tree import TreeDrafter
 
 TREES = {
     "chain": TreeOptions(depth=4, top_k=1, total_tokens=4),
@@ -116,27 +115,33 @@ def test_multi_token_acceptance_is_exercised(arch, runner):
 
 
 def test_tree_shape():
+    """Every row of a batch gets a tree of the option set's size, parents before children, distinct siblings."""
     target = tiny_model("llama")
     head = random_head(target).attach_target(target)
+    ids = torch.randint(3, 320, (2, 5))
+    roots = (7, 9)
     for opt in TREES.values():
-        drafter = TreeDrafter(head, opt)
+        gen = SpeculativeGenerator(target, head, tree=opt)
+        runner, drafter = gen.runner, gen.drafter
         with torch.inference_mode():
-            feats = torch.randn(1, 5, head.config.feature_size)
-            drafter.begin(torch.randint(3, 320, (1, 5)), feats, 64)  # 4 pairs; the root makes the fifth
-            tree = drafter.propose(torch.tensor([7]))
+            runner.reset(2, 64)
+            _, feats = runner.prefill(ids)
+            drafter.begin(runner, ids, torch.ones_like(ids), feats)  # 4 pairs; the root makes the fifth
+            tree = drafter.propose(torch.tensor(roots))
         n = tree.size
         assert n == 1 + min(opt.total_tokens, opt.top_k + (opt.depth - 1) * opt.top_k**2)
-        assert drafter.stable_length == 5  # the drafted nodes are not part of the stable prefix
-        par, dep = tree.parents, tree.depths
-        assert par[0] == -1 and dep[0] == 0 and tree.tokens[0, 0] == 7
-        assert (par[1:] < torch.arange(1, n)).all() and (par[1:] >= 0).all()
-        assert torch.equal(dep[1:], dep[par[1:]] + 1) and int(dep.max()) <= opt.depth
-        assert torch.equal(tree.ancestors.sum(1), dep + 1)
-        for p in range(n):  # siblings carry distinct tokens
-            kids = tree.tokens[0, 1:][par[1:] == p]
-            assert kids.unique().numel() == kids.numel()
-        if opt.top_k == 1:
-            assert torch.equal(dep, torch.arange(n))
+        assert drafter.next_pos.tolist() == [5, 5]  # the drafted nodes are not part of the stable prefix
+        for row, root in enumerate(roots):
+            par, dep = tree.parents[row], tree.depths[row]
+            assert par[0] == -1 and dep[0] == 0 and tree.tokens[row, 0] == root
+            assert (par[1:] < torch.arange(1, n)).all() and (par[1:] >= 0).all()
+            assert torch.equal(dep[1:], dep[par[1:]] + 1) and int(dep.max()) <= opt.depth
+            assert torch.equal(tree.ancestors[row].sum(1), dep + 1)
+            for p in range(n):  # siblings carry distinct tokens
+                kids = tree.tokens[row, 1:][par[1:] == p]
+                assert kids.unique().numel() == kids.numel()
+            if opt.top_k == 1:
+                assert torch.equal(dep, torch.arange(n))
 
 
 def test_refuses_head_for_another_target():
@@ -167,7 +172,7 @@ def test_no_hard_coded_device_or_dtype():
 
 
 def test_explain_divergence():
-    from inference.ties import bf16_resolution, explain_divergence, first_divergence
+    from inference.bench.ties import bf16_resolution, explain_divergence, first_divergence
 
     assert bf16_resolution(1.0) == 2**-7 and bf16_resolution(-20.0) == 2**-3 and bf16_resolution(255.0) == 1.0
     target = tiny_model("llama")

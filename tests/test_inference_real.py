@@ -98,7 +98,7 @@ def test_smollm2_every_drafter_greedy_lossless(smollm2, smollm2_path, head_dir, 
     runner: the tiny-model tests of test_drafters.py; the real target on the eager runner: the head's test above)."""
     from transformers import AutoTokenizer
 
-    from inference.draft_model import DraftModelDrafter
+    from inference.drafters.draft_model import DraftModelDrafter
 
     runner = "static"
 
@@ -129,7 +129,7 @@ def test_smollm2_batch_greedy_lossless(smollm2, smollm2_path, head_dir):
     from test_batch import left_padded
     from transformers import AutoTokenizer
 
-    from inference.self_draft import StreamingSelfDrafter
+    from inference.drafters.self_draft import StreamingSelfDrafter
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     prompts = PROMPTS + ["Explain in one sentence why the sky is blue, for a child who is five years old."]

@@ -10,7 +10,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 from inference import SamplingParams, SpeculativeGenerator, TreeOptions
 from inference.sampling import process_logits, target_probs
-from inference.tree import DraftTree
+from inference.tree import DraftTree, ancestor_matrix
 from inference.verify import children_lists, verify_sampling
 
 torch.set_num_threads(1)
@@ -90,17 +90,17 @@ def test_verifier_is_exact(params):
         depths = torch.zeros(len(parents), dtype=torch.long)
         for i, p in enumerate(parents[1:], 1):
             depths[i] = depths[p] + 1
-        tree = DraftTree.build(torch.tensor([tokens]), parents_t, depths)
+        tree = DraftTree(torch.tensor([tokens]), parents_t[None], depths[None],
+                         ancestor_matrix(parents_t[None], int(depths.max())))
         logits = torch.randn(len(tokens), vocab, generator=g) * 2
         logits[:, tokens[1]] += 2  # make the first child likely, so multi-token paths are common
         probs = target_probs(logits, params)
-        kids = children_lists(tree)
         counts: dict = {}
         lengths = set()
         for _ in range(draws):
-            path, new = verify_sampling(probs, tree, g, kids)
-            assert len(new) == len(path) and torch.equal(new[:-1], tree.tokens[0, path[1:]])
-            key = (int(new[0]), int(new[1]) if len(new) > 1 else None)
+            path, new = verify_sampling(probs, tree, g)
+            assert len(new) == len(path) and new[:-1] == [tokens[i] for i in path[1:]]
+            key = (new[0], new[1] if len(new) > 1 else None)
             counts[key] = counts.get(key, 0) + 1
             lengths.add(len(new))
         assert max(lengths) >= 2

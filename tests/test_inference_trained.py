@@ -111,8 +111,8 @@ def bf16_references(smollm2_path, prompts):
 @pytest.mark.real
 def test_trained_head_bf16_divergences_are_near_ties(smollm2, bf16_references, trained_head, prompts, runner):
     """bf16: a tree forward and a one-token forward round differently; outputs may part only at near-ties
-    (judged against the float32 target, inference.ties)."""
-    from inference.ties import explain_divergence
+    (judged against the float32 target, inference.bench.ties)."""
+    from inference.bench.ties import explain_divergence
 
     target, references = bf16_references
     gen = SpeculativeGenerator.from_pretrained(target, trained_head, tree="cpu", runner=runner)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from inference.long_context import INSTRUCTIONS, long_documents, long_prompts
+from inference.bench.long_context import INSTRUCTIONS, long_documents, long_prompts
 
 
 @pytest.fixture(scope="module")

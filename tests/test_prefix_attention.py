@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from inference.attention import KERNEL_NAME, NAME, attend, decoding_attention, kernel_op
+from inference.runners.attention import KERNEL_NAME, NAME, attend, decoding_attention, kernel_op
 
 # the kernel's dtype, and how far from the exact attention its output may lie (relative to the largest output):
 # bf16 probabilities and output, a few bf16 steps; float32 throughout
@@ -119,7 +119,7 @@ def test_static_runner_dispatches_to_the_kernel_eager_and_compiled(dtype):
     from torch.profiler import ProfilerActivity, profile
 
     from drafthead.masks import causal_allowed
-    from inference.static_runner import StaticRunner
+    from inference.runners.static import StaticRunner
 
     assert decoding_attention(torch.device("cpu"), dtype) == KERNEL_NAME
     assert decoding_attention(torch.device("cpu"), torch.float16) != KERNEL_NAME

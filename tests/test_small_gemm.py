@@ -9,8 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tiny import tiny_model
 
-from inference.cpu_kernels import kernels_available
-from inference.small_gemm import SmallRowLinear, small_row_kernel, use_small_row_kernel
+from inference.cpu.kernels import kernels_available
+from inference.cpu.small_gemm import SmallRowLinear, small_row_kernel, use_small_row_kernel
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -58,7 +58,7 @@ def test_only_the_live_entries_rows_are_multiplied_also_compiled():
     """Inside live_entries(b) the kernel (bf16 weights and int8 copies) multiplies the rows of the input's first b
     entries (a batch's rows still decoding) and gives zeros for the rest; a compiled step reads the value at each
     call, without recompiling."""
-    from inference.small_gemm import int8_weights, live_entries, use_int8_weights
+    from inference.cpu.small_gemm import int8_weights, live_entries, use_int8_weights
 
     module = linear(576, 192, bias=True)
     use_small_row_kernel(module)
@@ -118,7 +118,7 @@ def test_the_static_runner_verifies_with_the_kernel_close_to_pytorchs_linears(co
     from torch.profiler import ProfilerActivity, profile
 
     from drafthead.masks import causal_allowed
-    from inference.static_runner import StaticRunner
+    from inference.runners.static import StaticRunner
 
     target = tiny_model("llama", dtype=torch.bfloat16, num_layers=2)  # compiled: each layer adds graph to build
     runner = StaticRunner(target, [0, 1], compile=compile)
@@ -146,11 +146,11 @@ def test_a_batch_runners_verify_multiplies_rows_times_tree_tokens_with_the_kerne
     (BATCH_KERNEL_ROWS), so its session runs the kernel where a plain session would use nn.Linear."""
     from torch.profiler import ProfilerActivity, profile
 
-    from inference.batch_runner import BatchRunner
-    from inference.small_gemm import BATCH_KERNEL_ROWS, KERNEL_ROWS
+    from inference.runners.static import StaticRunner
+    from inference.cpu.small_gemm import BATCH_KERNEL_ROWS, KERNEL_ROWS
 
     assert KERNEL_ROWS < 4 * 8 <= BATCH_KERNEL_ROWS
-    runner = BatchRunner(tiny_model("llama", dtype=torch.bfloat16, head_dim=32), [])
+    runner = StaticRunner(tiny_model("llama", dtype=torch.bfloat16, head_dim=32), [])
     ids = torch.randint(3, 320, (4, 12), generator=torch.Generator().manual_seed(0))
     chain = torch.ones(8, 8, dtype=torch.bool).tril().expand(4, 8, 8)
     depths = torch.arange(8).expand(4, 8)
@@ -225,7 +225,7 @@ def test_siblings_sharing_an_input_become_one_call_with_bit_identical_results():
     with small_row_kernel():  # and the modules' own path agrees with both
         assert torch.equal(projections.k(x) * 2, after[1])
     # the calls SmallRowLinear makes (with the live entries' tensor) fuse alike, keeping it
-    from inference.small_gemm import live_entries
+    from inference.cpu.small_gemm import live_entries
 
     with live_entries(2):
         live = fused_calls(LiveKernelCalls(projections), torch.ops.drafthead_kernels.small_linear.default, x)
@@ -235,7 +235,7 @@ def test_siblings_sharing_an_input_become_one_call_with_bit_identical_results():
 def fused_calls(calls_module: nn.Module, op, x: torch.Tensor) -> tuple:
     """Trace the module's four kernel calls, run FuseSiblingLinears on the graph: q/k/v become one call, o stays
     alone (another input), and the outputs keep their bits. Returns the fused graph's outputs."""
-    from inference.small_gemm import FuseSiblingLinears
+    from inference.cpu.small_gemm import FuseSiblingLinears
 
     graph_module = torch.fx.symbolic_trace(calls_module)
     before = graph_module(x)
@@ -255,7 +255,7 @@ def fused_calls(calls_module: nn.Module, op, x: torch.Tensor) -> tuple:
 def test_int8_siblings_sharing_an_input_become_one_call_with_bit_identical_results():
     """use_int8_weights lays the siblings' int8 weights back to back and their columns side by side; the graph
     pass fuses the int8 calls that share an input as it does the bf16 ones."""
-    from inference.small_gemm import int8_weights, use_int8_weights
+    from inference.cpu.small_gemm import int8_weights, use_int8_weights
 
     projections = Projections()
     assert use_int8_weights(projections) == 4
@@ -276,7 +276,7 @@ def test_int8_siblings_sharing_an_input_become_one_call_with_bit_identical_resul
 def test_int8_kernel_computes_the_reference_int8_product(rows, bias):
     """The AVX512-VNNI kernel (packed weights) gives small_gemm's reference int8 math (plain int8 weights) to bf16
     rounding, and both stay within int8 quantisation error of the bf16 product."""
-    from inference.small_gemm import int8_linear, pack_int8, quantize_weight_int8
+    from inference.cpu.small_gemm import int8_linear, pack_int8, quantize_weight_int8
 
     module = linear(576, 192, bias)
     x = torch.randn(rows, 576).to(torch.bfloat16)
@@ -294,7 +294,7 @@ def test_int8_copies_are_used_only_inside_int8_weights_also_compiled():
     """use_int8_weights keeps parameters, ties and state dict; the int8 copy answers only inside int8_weights()
     (a zeroed copy makes it visible: the output is the bias), also through a compiled step (the global is guarded);
     it combines with the bf16 kernel in either order; a float32 model's copies are packed for the AVX2 kernel."""
-    from inference.small_gemm import int8_weights, use_int8_weights
+    from inference.cpu.small_gemm import int8_weights, use_int8_weights
 
     module = linear(64, 96, bias=True)
     assert use_int8_weights(module) == 1 and module.int8_weight.dim() == 4  # packed for the kernel
@@ -336,7 +336,7 @@ def test_int8_self_draft_in_bf16_verifies_to_the_same_tokens():
     from test_inference_greedy import near_bigram_target
 
     from inference import SpeculativeGenerator
-    from inference.self_draft import StreamingSelfDrafter
+    from inference.drafters.self_draft import StreamingSelfDrafter
 
     target = near_bigram_target("llama", eps=0.05).to(torch.bfloat16)
     ids, mask = left_padded(row_prompts(target.config.vocab_size)[:3])
@@ -349,21 +349,21 @@ def test_int8_self_draft_in_bf16_verifies_to_the_same_tokens():
 
 
 def test_the_batched_head_drafter_multiplies_its_linears_with_the_kernel():
-    """BatchHeadDrafter turns a bf16 head's linears into SmallRowLinear (as the single-sequence HeadRunner does),
+    """HeadDrafter turns a bf16 head's linears into SmallRowLinear (as the single-sequence HeadRunner does),
     and its drafting inside the batch runner's session runs the kernel: only the head runs in propose()."""
     from test_inference_greedy import TREES, random_head
     from torch.profiler import ProfilerActivity, profile
 
-    from inference.batch_head import BatchHeadDrafter
-    from inference.batch_runner import BatchRunner
+    from inference.drafters.eagle import HeadDrafter
+    from inference.runners.static import StaticRunner
     from inference.sampling import SamplingParams
 
     target = tiny_model("llama", dtype=torch.bfloat16, head_dim=32)
     head = random_head(target).attach_target(target).to(torch.bfloat16)
     assert not isinstance(head.fc, SmallRowLinear)
-    drafter = BatchHeadDrafter(head, TREES["wide"], sink=4, window=16)
+    drafter = HeadDrafter(head, TREES["wide"], sink=4, window=16)
     assert isinstance(head.fc, SmallRowLinear) and isinstance(head.midlayer.mlp.down_proj, SmallRowLinear)
-    runner = BatchRunner(target, drafter.feature_layers)
+    runner = StaticRunner(target, drafter.feature_layers)
     ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
     runner.reset(2, 24 + 16)
     with runner.session(), torch.inference_mode():

@@ -11,8 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tiny import tiny_model
 
-from inference.cpu_kernels import avx2_kernels_available
-from inference.small_gemm import (BATCH_KERNEL_ROWS, SmallRowLinear, int8_linear, int8_weights, quantize_weight_int8,
+from inference.cpu.kernels import avx2_kernels_available
+from inference.cpu.small_gemm import (BATCH_KERNEL_ROWS, SmallRowLinear, int8_linear, int8_weights, quantize_weight_int8,
                                    small_row_kernel, use_int8_weights, use_small_row_kernel)
 
 
@@ -82,12 +82,12 @@ def test_the_batch_runner_verifies_float32_with_the_kernel_and_pytorchs_logits(c
     logits of PyTorch's linears to float32 rounding; a single-sequence runner leaves float32 linears alone."""
     from torch.profiler import ProfilerActivity, profile
 
-    from inference.batch_runner import BatchRunner
-    from inference.static_runner import StaticRunner
+    from inference.runners.static import StaticRunner
+    from inference.runners.static import StaticRunner
 
     assert not StaticRunner(tiny_model("llama"), [2, 4]).small_rows
     target = tiny_model("llama", num_layers=2)  # compiled: each layer adds graph to build
-    runner = BatchRunner(target, [0, 1], compile=compile)
+    runner = StaticRunner(target, [0, 1], compile=compile)
     assert runner.small_rows and isinstance(target.lm_head, SmallRowLinear)
     ids = torch.randint(3, 320, (4, 14), generator=torch.Generator().manual_seed(0))
     chain = torch.ones(2, 2, dtype=torch.bool).tril().expand(4, 2, 2)
@@ -176,8 +176,8 @@ def test_rows_that_stopped_cost_the_batch_runner_no_gemm_work():
     """Inside live_entries(b) the float32 kernel multiplies only the rows of the input's first b entries (zeros for
     the rest); the batch runner's verify sets it to its rows in use, so after rows stop (keep_rows) the padding rows
     of its fixed-shape step reach the lm_head as zeros, while the rows in use get the logits of a batch of only them."""
-    from inference.batch_runner import BatchRunner
-    from inference.small_gemm import live_entries
+    from inference.runners.static import StaticRunner
+    from inference.cpu.small_gemm import live_entries
 
     module = linear(600, 96, bias=True)
     use_small_row_kernel(module, float32=True)
@@ -198,7 +198,7 @@ def test_rows_that_stopped_cost_the_batch_runner_no_gemm_work():
     target.lm_head.register_forward_hook(lambda module, args, out: seen.append(out))
 
     def verify(rows: list[int], keep: list[int] | None) -> torch.Tensor:
-        runner = BatchRunner(target, [])
+        runner = StaticRunner(target, [])
         with runner.session(), torch.inference_mode():
             runner.reset(len(rows), 14)
             runner.prefill(ids[rows, :12])

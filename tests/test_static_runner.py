@@ -14,9 +14,9 @@ from drafthead import DraftHead, HeadConfig
 from drafthead.masks import causal_allowed
 from inference import SpeculativeGenerator, TreeDrafter, TreeOptions
 from inference.head_runner import HeadRunner
-from inference.attention import matmul_attention
+from inference.runners.attention import matmul_attention
 from inference.runner import TargetRunner
-from inference.static_runner import StaticRunner
+from inference.runners.static import StaticRunner
 
 torch.set_num_threads(1)
 
@@ -111,7 +111,7 @@ def test_compiled_matmul_attention_traces_short_query_blocks(queries):
     both give eager attention's result."""
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
-    from inference.attention import TRACED_MAX_QUERIES
+    from inference.runners.attention import TRACED_MAX_QUERIES
 
     torch.manual_seed(0)
     module = torch.nn.Module()
@@ -135,7 +135,7 @@ def test_compiled_matmul_attention_traces_short_query_blocks(queries):
 
 def test_bf16_static_runner_uses_its_attention_kernel_and_restores_the_model():
     """bf16 on CPU: the AVX512-BF16 kernel where the CPU has it (test_prefix_attention.py), else the matmuls."""
-    from inference.cpu_kernels import kernels_available
+    from inference.cpu.kernels import kernels_available
 
     target = tiny_model("llama", dtype=torch.bfloat16)
     gen = SpeculativeGenerator(target, oracle_head(target).to(torch.bfloat16).attach_target(target), tree="chain",
@@ -150,15 +150,15 @@ def test_float32_cpu_runners_attend_through_the_avx2_kernel_else_the_matmul_kern
     """float32 on CPU: every runner (eager or compiled) and the head attend through prefix_attention_avx2.cpp where
     the CPU has AVX2 (test_prefix_attention.py); elsewhere compiled steps trace the matmul kernel (fused; faster
     than SDPA there in fp32 too) and eager steps keep SDPA."""
-    from inference.attention import kernel_op
-    from inference.batch_runner import BatchRunner
+    from inference.runners.attention import kernel_op
+    from inference.runners.static import StaticRunner
     from inference.head_runner import HeadRunner
 
     target = tiny_model("llama")  # float32
     kernel = kernel_op(torch.float32) is not None
     compiled = "drafthead_kernel" if kernel else "drafthead_matmul"
     assert StaticRunner(target, [], compile=True).attention == compiled
-    assert BatchRunner(target, [], compile=True).attention == compiled
+    assert StaticRunner(target, [], compile=True).attention == compiled
     assert StaticRunner(target, []).attention == ("drafthead_kernel" if kernel else None)
     head = oracle_head(target).attach_target(target)
     HeadRunner(head, compile=True)
@@ -319,7 +319,7 @@ def test_compiled_heads_of_different_weights_never_share_graphs():
 def test_bf16_head_runner_drafts_on_the_decoding_attention(head_dim, length):
     """On CPU in bf16 the head's drafting steps attend through the runners' attention kernel (AVX512-BF16 where the
     CPU has it, for up to 16 queries with head_dim 32/64/128; else the matmuls), with the outputs of its SDPA."""
-    from inference.cpu_kernels import kernels_available
+    from inference.cpu.kernels import kernels_available
 
     target = tiny_model("llama", dtype=torch.bfloat16, head_dim=head_dim)
     head = DraftHead(HeadConfig.from_target_config(target.config, kind="eagle3")).to(torch.bfloat16).eval()
@@ -355,7 +355,7 @@ def test_a_compiled_step_works_in_a_process_that_never_loaded_the_kernels():
 import torch
 from tiny import tiny_model
 from drafthead.masks import causal_allowed
-from inference.static_runner import StaticRunner
+from inference.runners.static import StaticRunner
 assert not hasattr(torch.ops.drafthead_kernels, "small_linear")
 target = tiny_model("llama", num_layers=2)
 ids = torch.randint(3, 320, (1, 12), generator=torch.Generator().manual_seed(0))
