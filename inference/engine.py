@@ -160,8 +160,8 @@ class SpeculativeGenerator:
         ids = torch.zeros(1, 4, dtype=torch.long, device=self.device)
         if buckets:
             sizes = sorted({b for b in buckets if b <= bucket_for(self.drafter.tree_size, buckets)})
+            runner.reset(1, max_length + self.drafter.tree_size)  # before the session, which depends on the rows
             with runner.session(), torch.inference_mode():
-                runner.reset(1, max_length + self.drafter.tree_size)
                 runner.prefill(ids)
                 for n in sizes:
                     tree = DraftTree.chain(ids[0, :1], ids[:, :1].repeat(1, n - 1))

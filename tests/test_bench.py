@@ -102,9 +102,10 @@ def test_auto_lookup_branch_makes_the_speculative_method_hybrid(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from inference.bench import build_methods, build_parser
-    from inference.hybrid import HybridDrafter
+    from inference.drafters.eagle import HeadDrafter
+    from inference.drafters.lookup import LookupBranch
     from inference.runners.static import StaticRunner
-    from inference.tree import TreeOptions, TreeDrafter
+    from inference.tree import TreeOptions
 
     target_dir = save_tiny_target(tmp_path / "target")
     model = AutoModelForCausalLM.from_pretrained(target_dir)
@@ -116,10 +117,10 @@ def test_auto_lookup_branch_makes_the_speculative_method_hybrid(tmp_path):
     kept = build_methods(args, model, head, None, None, runner, tree, {"lookup_branch": True})
     assert [m.name for m in kept] == ["plain", "engine_plain", "speculative_auto", "tree_alone"]
     main, alone = kept[2].generator.drafter, kept[3].generator.drafter
-    assert isinstance(main, HybridDrafter) and main.lookup.num_tokens == 5 and main.head.opt == tree
-    assert isinstance(alone, TreeDrafter) and alone.opt == tree
+    assert isinstance(main, LookupBranch) and main.tokens == 5 and main.drafter.opt == tree
+    assert isinstance(alone, HeadDrafter) and alone.opt == tree
     capped = build_methods(args, model, head, None, None, runner, tree, {"lookup_branch": True, "lookup_tokens": 3})
-    assert capped[2].generator.drafter.lookup.num_tokens == 3  # what the tuner measured, beside the tree
+    assert capped[2].generator.drafter.tokens == 3  # what the tuner measured, beside the tree
     dropped = build_methods(args, model, head, None, None, runner, tree, {"lookup_branch": False})
     assert [m.name for m in dropped] == ["plain", "engine_plain", "speculative_auto"]
-    assert isinstance(dropped[2].generator.drafter, TreeDrafter)
+    assert isinstance(dropped[2].generator.drafter, HeadDrafter)

@@ -33,7 +33,7 @@ def test_draft_timings_follow_a_target_step(monkeypatch):
     times = budget.measure_draft_ms(runner, head, prefix, trees, reps=3)
     assert set(times) == set(trees) and all(t > 0 for t in times.values())
     assert seen.count(1) >= 2 * 3  # three timed drafts per (depth, top_k), each after a one-token target step
-    assert runner.length == prefix.shape[1]
+    assert runner.lengths == [prefix.shape[1]]
 
 
 def test_verify_sizes_take_turns(monkeypatch):
@@ -48,7 +48,7 @@ def test_verify_sizes_take_turns(monkeypatch):
     times = budget.measure_verify_ms(runner, prefix, (3,), reps=4)
     assert set(times) == {0, 3} and all(t > 0 for t in times.values())
     assert seen == [1, 4] * 5  # one warm-up round, then four timed rounds
-    assert runner.length == prefix.shape[1]
+    assert runner.lengths == [prefix.shape[1]]
 
 
 def test_decoding_trial_times_real_steps():
@@ -57,6 +57,7 @@ def test_decoding_trial_times_real_steps():
     target = tiny_model("llama")
     head = oracle_head(target).attach_target(target)
     runner = StaticRunner(target, head.config.aux_layer_ids, buckets=(1, 4, 8))
+    runner.reset(1, 200)  # sized for longer sequences than the trial's: it reuses these buffers
     capacity = runner.capacity
     trees = [None, TreeOptions(depth=2, top_k=2, total_tokens=3), TreeOptions(depth=3, top_k=2, total_tokens=7)]
     ms = budget.measure_decoding_ms(target, head, runner, trees, prompts(2, 320, seed=5), max_new_tokens=12,
@@ -138,6 +139,7 @@ def test_lookup_branch_rates_count_real_tokens():
     target = tiny_model("llama")
     head = oracle_head(target).attach_target(target)
     runner = StaticRunner(target, head.config.aux_layer_ids, buckets=(1, 4, 8))
+    runner.reset(1, 200)  # sized for longer sequences than the trial's: it reuses these buffers
     capacity = runner.capacity
     rates = budget.measure_lookup_branch(target, head, runner, TreeOptions(depth=2, top_k=2, total_tokens=3), 3,
                                          prompts(2, 320, seed=5), max_new_tokens=12, rounds=1)

@@ -127,9 +127,9 @@ def test_static_runner_dispatches_to_the_kernel_eager_and_compiled(dtype):
     ids = torch.randint(3, 320, (1, 20), generator=torch.Generator().manual_seed(0))
     def verify_last_four(runner):
         with runner.session(), torch.inference_mode():
-            runner.reset(20)
+            runner.reset(1, 20)
             runner.prefill(ids[:, :16])
-            return runner.verify(ids[:, 16:], torch.arange(4), causal_allowed(4, 0, ids.device))[0]
+            return runner.verify(ids[:, 16:], torch.arange(4)[None], causal_allowed(4, 0, ids.device)[None])[0]
 
     reference_runner = StaticRunner(target, [0, 1])
     reference_runner.attention = NAME  # the matmul kernel: PyTorch's matmuls and softmax

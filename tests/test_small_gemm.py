@@ -127,9 +127,9 @@ def test_the_static_runner_verifies_with_the_kernel_close_to_pytorchs_linears(co
 
     def verify_last_four():
         with runner.session(), torch.inference_mode():
-            runner.reset(20)
+            runner.reset(1, 20)
             runner.prefill(ids[:, :16])
-            return runner.verify(ids[:, 16:], torch.arange(4), causal_allowed(4, 0, ids.device))
+            return runner.verify(ids[:, 16:], torch.arange(4)[None], causal_allowed(4, 0, ids.device)[None])
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         logits, features, _ = verify_last_four()
@@ -349,7 +349,7 @@ def test_int8_self_draft_in_bf16_verifies_to_the_same_tokens():
 
 
 def test_the_batched_head_drafter_multiplies_its_linears_with_the_kernel():
-    """HeadDrafter turns a bf16 head's linears into SmallRowLinear (as the single-sequence HeadRunner does),
+    """HeadDrafter turns a bf16 head's linears into SmallRowLinear,
     and its drafting inside the batch runner's session runs the kernel: only the head runs in propose()."""
     from test_inference_greedy import TREES, random_head
     from torch.profiler import ProfilerActivity, profile

@@ -79,13 +79,11 @@ def test_kernel_is_used_only_inside_the_session_and_for_few_rows():
 @pytest.mark.parametrize("compile", [False, True])
 def test_the_batch_runner_verifies_float32_with_the_kernel_and_pytorchs_logits(compile):
     """A float32 batched verification (4 rows × 2 tokens) runs the kernel (seen in the profile) and gives the
-    logits of PyTorch's linears to float32 rounding; a single-sequence runner leaves float32 linears alone."""
+    logits of PyTorch's linears to float32 rounding."""
     from torch.profiler import ProfilerActivity, profile
 
     from inference.runners.static import StaticRunner
-    from inference.runners.static import StaticRunner
 
-    assert not StaticRunner(tiny_model("llama"), [2, 4]).small_rows
     target = tiny_model("llama", num_layers=2)  # compiled: each layer adds graph to build
     runner = StaticRunner(target, [0, 1], compile=compile)
     assert runner.small_rows and isinstance(target.lm_head, SmallRowLinear)
