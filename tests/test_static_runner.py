@@ -182,10 +182,12 @@ def test_sliding_window_target_falls_back_to_eager(capsys):
 def test_compiled_runner_is_lossless_without_recompiles(compiled):
     """The target's compiled verify step, one case each: plain decoding (the one-token bucket, with inductor's GEMM
     templates) and a tree (the 8-token bucket). Greedy output identical to generate, and a second round of prompts
-    of other lengths compiles nothing new. One-layer targets: what compiles is one layer's code, and each graph
+    of other lengths compiles nothing new, and torch's compiler settings are as they were. One-layer targets: what compiles is one layer's code, and each graph
     costs less to build."""
+    import torch._inductor.config
     from torch._dynamo.utils import counters
 
+    settings = torch._dynamo.config.get_config_copy(), torch._inductor.config.get_config_copy()
     target = near_bigram_target("llama", num_layers=1)
     head = oracle_head(target).attach_target(target)
     tree = TreeOptions(depth=2, top_k=2, total_tokens=4)
@@ -206,6 +208,8 @@ def test_compiled_runner_is_lossless_without_recompiles(compiled):
     assert counters["stats"]["unique_graphs"] == graphs  # no recompile while generating
     if compiled != "plain":
         assert gen.generate(batch[0], max_new_tokens=20).stats.mean_accepted > 1.5
+    # the compiler settings our steps need held only inside them: a user's own torch.compile sees its own settings
+    assert (torch._dynamo.config.get_config_copy(), torch._inductor.config.get_config_copy()) == settings
 
 
 @pytest.mark.slow

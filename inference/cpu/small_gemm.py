@@ -22,6 +22,7 @@ weights are packed once: for frozen inference weights.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.nn as nn
@@ -57,6 +58,10 @@ _int8_active = False
 # rows still decoding, the leading ones), giving zeros for the others. One tensor, filled in place: every call of
 # the kernel passes it, so a compiled step reads its value at each call (no new graph per value)
 _live = torch.tensor(2**62)
+# the modules turned into SmallRowLinear / Int8CopyLinear, with their own class, and how many users (runners,
+# drafters) each model has: the last one to release it gets its plain linears back (release_kernels)
+_own_class: "weakref.WeakKeyDictionary[nn.Module, type]" = weakref.WeakKeyDictionary()
+_users: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 
 
 def eligible(module: nn.Module, float32: bool = False) -> bool:
@@ -225,10 +230,12 @@ def use_int8_weights(model: nn.Module) -> int:
         for module in group:
             end = column + module.out_features
             if not isinstance(module, SmallRowLinear):
+                _own_class.setdefault(module, type(module))
                 module.__class__ = Int8CopyLinear
             module.register_buffer("int8_weight", weights[column // per_row: end // per_row], persistent=False)
             module.register_buffer("int8_columns", columns[:, column: end], persistent=False)
             column = end
+    _users[model] = _users.get(model, 0) + 1
     return len(linears)
 
 
@@ -249,13 +256,31 @@ def use_small_row_kernel(model: nn.Module, float32: bool = False) -> int:
         start = 0
         for module in group:
             blocks = module.out_features // block
+            _own_class.setdefault(module, type(module))
             module.__class__ = SmallRowLinear
             module.register_buffer("packed", packed[start: start + blocks], persistent=False)
             for name in ("int8_weight", "int8_columns"):
                 if name not in module._buffers:  # no int8 copy (yet)
                     module.register_buffer(name, None, persistent=False)
             start += blocks
+    _users[model] = _users.get(model, 0) + 1
     return len(linears)
+
+
+def release_kernels(model: nn.Module) -> None:
+    """One user of use_small_row_kernel / use_int8_weights on `model` is done; after the last one, every linear they
+    converted is its own class again, without the packed and int8 copies (the model as it was handed to us)."""
+    if model not in _users:
+        return
+    _users[model] -= 1
+    if _users[model] > 0:
+        return
+    del _users[model]
+    for module in model.modules():
+        if module in _own_class:
+            module.__class__ = _own_class.pop(module)
+            for name in ("packed", "int8_weight", "int8_columns"):
+                module._buffers.pop(name, None)
 
 
 def _attribute(module: nn.Module, target: str) -> torch.Tensor:

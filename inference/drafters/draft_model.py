@@ -94,6 +94,12 @@ class DraftModelDrafter:
         self.pending: list[list[int]] = []  # each row's accepted tokens not yet in the draft's cache
         self.after_root: torch.Tensor | None = None  # (B,) each row's cache length right after its root was fed
 
+    def close(self) -> None:
+        """Give the draft model back as it was (its runners' hooks and linears)."""
+        for runner in (self.runner, getattr(self, "_prefill_runner", None)):
+            if runner is not None:
+                runner.close()
+
     def session(self):
         """The draft runner's session (its attention kernel), entered once per generation by the engine."""
         return self.runner.session()

@@ -19,13 +19,14 @@ prompt's pairs outside the window are never computed at all.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
 from drafthead.masks import to_additive
 from drafthead.model import DraftHead
 
-from ..cpu.small_gemm import use_small_row_kernel
+from ..cpu.small_gemm import release_kernels, use_small_row_kernel
 from ..drafter import Accepted
 from ..runners.kv import SlotMap, write_rows
 from ..tree import DraftTree, TreeOptions, expand_tree, select_tree
@@ -73,6 +74,7 @@ class HeadDrafter:
         # bf16 on a CPU with AVX512-BF16: the head's linears multiply their few rows with the small-row kernel inside
         # the runner's session (results/HISTORY.md)
         use_small_row_kernel(head)
+        self.close = weakref.finalize(self, release_kernels, head)  # its own linears again, on close() or drop
         self.opt = options
         self.layout = SlotMap(sink, window)
         self.tree_size = options.tree_size

@@ -122,6 +122,9 @@ class LookupBranch:
     def session(self) -> contextlib.AbstractContextManager:
         return self.drafter.session()
 
+    def close(self) -> None:
+        getattr(self.drafter, "close", lambda: None)()
+
     def begin(self, runner, input_ids: torch.Tensor, attention_mask: torch.Tensor,
               features: torch.Tensor | None) -> None:
         self.drafter.begin(runner, input_ids, attention_mask, features)

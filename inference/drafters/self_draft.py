@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 
 import torch
 import torch.nn as nn
@@ -39,7 +40,7 @@ from transformers import StaticCache
 from drafthead.masks import to_additive
 from drafthead.utils import cache_argument
 
-from ..cpu.small_gemm import int8_weights, live_entries, use_int8_weights
+from ..cpu.small_gemm import int8_weights, live_entries, release_kernels, use_int8_weights
 from ..runners.attention import kv_length_kwargs
 from ..runners.compile import compile_step
 from ..runners.kv import SlotMap, keep_leading_rows, set_write_slot, static_cache
@@ -68,6 +69,8 @@ class StreamingSelfDrafter:
             raise ValueError("weights='int8': the model has no linear layer an int8 copy fits (out_features a "
                              "multiple of 32, in_features of 16)")
         self.model = model
+        # the int8 copies go with the drafter, or on close()
+        self.close = weakref.finalize(self, release_kernels, model) if self.int8 else (lambda: None)
         self.cache_argument = cache_argument(model)
         lm_head = model.get_output_embeddings()
         self.vocab_size = lm_head.weight.shape[0]  # the target's

@@ -9,6 +9,7 @@ compacts the KV cache to the accepted path.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.nn as nn
@@ -29,6 +30,7 @@ class EagerRunner:
         self.cache_argument = cache_argument(model)
         self.feature_layers = list(feature_layers)
         self.capture = HiddenStateCapture(model, self.feature_layers).attach()
+        self.close = weakref.finalize(self, self.capture.detach)  # the hooks go with the runner, or on close()
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.cache = DynamicCache()
@@ -47,10 +49,6 @@ class EagerRunner:
 
     def session(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
-
-    def close(self) -> None:
-        """Remove the feature hooks from the model."""
-        self.capture.detach()
 
     @property
     def batch(self) -> int:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from typing import Callable
 
 import torch
@@ -39,7 +40,7 @@ from drafthead.capture import HiddenStateCapture
 from drafthead.masks import to_additive
 from drafthead.utils import cache_argument
 
-from ..cpu.small_gemm import BATCH_KERNEL_ROWS, live_entries, small_row_kernel, use_small_row_kernel
+from ..cpu.small_gemm import BATCH_KERNEL_ROWS, live_entries, release_kernels, small_row_kernel, use_small_row_kernel
 from ..drafter import Accepted
 from .attention import PREFILL_NAME, attention_implementation, decoding_attention, kv_length_kwargs
 from .compile import compile_step, release_step
@@ -71,6 +72,15 @@ def attach_target(runner, model: nn.Module, feature_layers: list[int], refusal: 
     runner.device = next(model.parameters()).device
     runner.attention = decoding_attention(runner.device, runner.dtype, compile)
     runner.small_rows = use_small_row_kernel(model, float32=float32_kernel) > 0
+    # the model as it was handed over once the runner is closed or dropped: no hooks, its own linear classes
+    runner.release = weakref.finalize(runner, release_target, model, runner.capture)
+
+
+def release_target(model: nn.Module, capture: HiddenStateCapture | None) -> None:
+    """Undo attach_target on `model`: remove the feature hooks, give the linears back (the last user's release)."""
+    if capture is not None:
+        capture.detach()
+    release_kernels(model)
 
 
 def decoding_session(runner, max_rows: int) -> contextlib.AbstractContextManager:
@@ -255,8 +265,11 @@ class StaticRunner:
         return decoding_session(self, 0 if one_row_fp32 else BATCH_KERNEL_ROWS)
 
     def close(self) -> None:
-        if self.capture is not None:
-            self.capture.detach()
+        """Free the compiled steps and buffers, and give the model back as it was (hooks, linears)."""
+        for step in self._steps.values():
+            release_step(step)
+        self._steps, self.cache = {}, None
+        self.release()
 
     # --------------------------------------------------------------------------------------------- forward
     def _step_forward(self, input_ids, position_ids, mask, kv_length, rows):

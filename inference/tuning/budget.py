@@ -348,7 +348,7 @@ def auto_tree(
         steps = max(len(s.accept_lengths), 1)
         overhead_ms.append(1000 * (s.total_time_s - s.draft_time_s - s.verify_time_s) / steps)
         last = out.sequences
-    gen.runner.close()
+    gen.close()
     prefix = last[:, -256:] if last.shape[1] > 256 else last
     sizes = verify_sizes(runner)
     verify_ms = measure_verify_ms(runner, prefix, sizes)
