@@ -76,8 +76,8 @@ class SpeculativeGenerator:
     runner: "static" (preallocated KV buffers, fixed-shape verify buckets; runners/static.py), "eager" (any HF
     causal LM, one row, DynamicCache; runners/eager.py) or "auto" (static where the architecture allows, else eager
     with a one-line message), or a runner object to share (the benchmark shares one among its methods). compile:
-    torch.compile the runner's verify steps (CUDA graphs on CUDA); "auto" compiles on CUDA only, because on a
-    2-core CPU each step shape costs ~30-45 s to compile and pays only over long runs (the benchmark compiles). The
+    torch.compile the runner's verify steps (CUDA graphs on CUDA); "auto" compiles on CUDA only, because on CPU a
+    step's compile time pays only over long runs (the benchmark compiles; results/HISTORY.md). The
     runner, its buffers and its compiled graphs live as long as the generator. profile=True waits for the device
     between drafting and verification, so that stats split their times on CUDA (CPU steps are synchronous).
     """
@@ -95,6 +95,7 @@ class SpeculativeGenerator:
         self.runner_kind, self.compile = runner, compile_setting(compile, self.device)
         self._runner = None if isinstance(runner, str) else runner  # a runner object is shared, e.g. by the bench
         self._prefill_runner: StaticRunner | None = None  # generate_many: prefills the waiting prompts
+        self._owned: list = []  # the runners this generator made (a runner passed in stays its owner's)
         self.profile = profile
         self.head: DraftHead | None = None
         self.options: TreeOptions | None = None
@@ -137,7 +138,22 @@ class SpeculativeGenerator:
             self._runner = make_runner(self.target, self.drafter.feature_layers, self.runner_kind, self.compile,
                                        largest_tree=self.drafter.tree_size)
             self._check_runner(self._runner)
+            self._owned.append(self._runner)
         return self._runner
+
+    def close(self) -> None:
+        """Free the buffers and compiled steps, and give the models back as they were handed over (hooks, linear
+        classes); dropping the generator does the same once it is collected."""
+        for runner in self._owned:
+            runner.close()
+        self._owned.clear()
+        getattr(self.drafter, "close", lambda: None)()
+
+    def __enter__(self) -> "SpeculativeGenerator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _check_runner(self, runner) -> None:
         """Refuse, before decoding starts, a runner this drafter cannot use."""
@@ -360,6 +376,7 @@ class SpeculativeGenerator:
         if len(prompts) > b:
             if self._prefill_runner is None:
                 self._prefill_runner = StaticRunner(self.target, self.drafter.feature_layers)
+                self._owned.append(self._prefill_runner)
             waiting = prefilled_requests(self._prefill_runner, prompts[b:], prefill_group, stopper, stats)
         runner = self.runner
         runner.reset(b, max(len(p) for p in prompts) + max_new_tokens + self.drafter.tree_size)
