@@ -167,24 +167,28 @@ class SpeculativeGenerator:
             raise NotImplementedError("self-speculation copies its KV from the static runner's buffers; this "
                                       "target runs on the eager runner")
 
-    def warmup(self, max_length: int) -> dict:
+    def warmup(self, max_length: int) -> dict[int, float]:
         """Size the KV buffers for one row of up to `max_length` tokens and run one verify step of every bucket this
         generator's drafter may use (compiling it when compile is on), then a short generation (the drafter's own
-        steps). Returns the runner's {(rows, capacity, bucket): seconds of its first call}."""
+        steps). Returns {bucket: seconds of its first verify step} (empty on the eager runner)."""
         runner = self.runner
         buckets = getattr(runner, "buckets", None)
         ids = torch.zeros(1, 4, dtype=torch.long, device=self.device)
+        seconds = {}
         if buckets:
-            sizes = sorted({b for b in buckets if b <= bucket_for(self.drafter.tree_size, buckets)})
+            sync = synchronizer(self.device)
             runner.reset(1, max_length + self.drafter.tree_size)  # before the session, which depends on the rows
             with runner.session(), torch.inference_mode():
                 runner.prefill(ids)
-                for n in sizes:
+                for n in sorted({b for b in buckets if b <= bucket_for(self.drafter.tree_size, buckets)}):
                     tree = DraftTree.chain(ids[0, :1], ids[:, :1].repeat(1, n - 1))
+                    start = time.perf_counter()
                     runner.verify(tree.tokens, tree.depths, tree.ancestors)
+                    sync()
+                    seconds[n] = time.perf_counter() - start
         if not self.plain:
             self.generate(ids, max_new_tokens=8, eos_token_id=[])
-        return dict(getattr(runner, "compile_s", {}))
+        return seconds
 
     @classmethod
     def from_pretrained(
@@ -296,10 +300,6 @@ class SpeculativeGenerator:
         or do_sample). eos defaults to the target's generation_config.eos_token_id. Row i of `.sequences` is row i of
         input_ids followed by its new tokens (right-padded with the pad token to the longest row). A streamer
         follows one row."""
-        t_start = time.perf_counter()
-        gc = generation_config
-        params, max_new_tokens, generator = self._settings(gc, temperature, top_k, top_p, do_sample, max_new_tokens,
-                                                           seed, generator)
         if isinstance(input_ids, Mapping):  # a tokenizer's output (BatchEncoding), e.g. apply_chat_template(...)
             attention_mask = input_ids.get("attention_mask") if attention_mask is None else attention_mask
             input_ids = input_ids["input_ids"]
@@ -315,78 +315,69 @@ class SpeculativeGenerator:
         if streamer is not None and b > 1:
             raise ValueError("a streamer follows one sequence: pass input_ids of batch size 1")
         mask = torch.ones_like(input_ids) if attention_mask is None else torch.as_tensor(attention_mask)
-        mask = mask.view(b, t).to(self.device)
-        stoppers = [self._stopper(gc, eos_token_id, stop, tokenizer, max_new_tokens) for _ in range(b)]
-        runner = self.runner
-        runner.reset(b, t + max_new_tokens + self.drafter.tree_size)
-        stats = GenerationStats()
-        with runner.session(), self.drafter.session():
-            new = decode(runner, self.drafter, input_ids, mask, params, stoppers, generator, stats, self._sync(),
-                         switch=self.switch, streamer=streamer)
-        stats.rows_new_tokens = [len(row) for row in new]
-        stats.new_tokens = sum(stats.rows_new_tokens)
-        stats.total_time_s = time.perf_counter() - t_start
-        width = max(stats.rows_new_tokens)
-        out = torch.full((b, width), self._pad_token(gc), dtype=torch.long)
+        new, stats = self._run(input_ids, mask.view(b, t).to(self.device), streamer=streamer,
+                               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                               do_sample=do_sample, eos_token_id=eos_token_id, stop=stop,
+                               generation_config=generation_config, seed=seed, generator=generator,
+                               tokenizer=tokenizer)
+        out = torch.full((b, max(stats.rows_new_tokens)), self._pad_token(generation_config), dtype=torch.long)
         for i, row in enumerate(new):
             out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
         return GenerationOutput(torch.cat([input_ids, out.to(self.device)], dim=1), stats)
 
     @torch.inference_mode()
-    def generate_many(
-        self,
-        prompts: list[torch.Tensor] | list[list[int]],
-        max_new_tokens: int | None = None,
-        batch_size: int = 8,
-        prefill_group: int = 8,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        do_sample: bool | None = None,
-        eos_token_id: int | list[int] | None = None,
-        stop: list[str] | str | None = None,
-        generation_config: Any = None,
-        seed: int | None = None,
-        generator: torch.Generator | None = None,
-        tokenizer: Any = None,
-    ) -> QueueOutput:
+    def generate_many(self, prompts: list[torch.Tensor] | list[list[int]], max_new_tokens: int | None = None,
+                      batch_size: int = 8, prefill_group: int = 8, **settings: Any) -> QueueOutput:
         """Generate for a queue of prompts (each 1-D token ids, any lengths) with continuous batching
         (batch_queue.py): `batch_size` rows decode at once and a finished row takes the next prompt, prefilled
         `prefill_group` at a time. Same outputs as generate() on each prompt alone (greedy: token for token in
-        fp32); other arguments as in generate(). Returns each prompt's new tokens in the prompts' order."""
-        t_start = time.perf_counter()
+        fp32); the other settings (temperature, top_p, top_k, do_sample, eos_token_id, stop, generation_config,
+        seed, generator, tokenizer) as in generate(). Returns each prompt's new tokens in the prompts' order."""
         if batch_size < 1 or prefill_group < 1:
             raise ValueError(f"batch_size and prefill_group must be >= 1, got {batch_size} and {prefill_group}")
+        prompts = [torch.as_tensor(p, dtype=torch.long).view(-1).to(self.device) for p in prompts]
+        if not prompts:
+            return QueueOutput([], GenerationStats())
+        if min(len(p) for p in prompts) == 0:
+            raise ValueError("every prompt needs at least one token")
+        ids, mask = left_pad(prompts[:batch_size])
+        new, stats = self._run(ids, mask, prompts[batch_size:], prefill_group, max_new_tokens=max_new_tokens,
+                               **settings)
+        return QueueOutput(new, stats)
+
+    def _run(self, ids: torch.Tensor, mask: torch.Tensor, queue: list[torch.Tensor] = (), prefill_group: int = 8,
+             streamer: Any = None, max_new_tokens: int | None = None, temperature: float | None = None,
+             top_p: float | None = None, top_k: int | None = None, do_sample: bool | None = None,
+             eos_token_id: int | list[int] | None = None, stop: list[str] | str | None = None,
+             generation_config: Any = None, seed: int | None = None, generator: torch.Generator | None = None,
+             tokenizer: Any = None) -> tuple[list[list[int]], GenerationStats]:
+        """Decode the left-padded rows `ids` (B, T), then the `queue` of waiting prompts in the rows that free up.
+        Returns each row's (then each queued prompt's) new tokens and the stats."""
+        t_start = time.perf_counter()
         gc = generation_config
         params, max_new_tokens, generator = self._settings(gc, temperature, top_k, top_p, do_sample, max_new_tokens,
                                                            seed, generator)
-        prompts = [torch.as_tensor(p, dtype=torch.long).view(-1).to(self.device) for p in prompts]
-        stats = GenerationStats()
-        if not prompts:
-            return QueueOutput([], stats)
-        if min(len(p) for p in prompts) == 0:
-            raise ValueError("every prompt needs at least one token")
 
         def stopper() -> Stopper:
             return self._stopper(gc, eos_token_id, stop, tokenizer, max_new_tokens)
 
-        b = min(batch_size, len(prompts))
-        ids, mask = left_pad(prompts[:b])
+        stats = GenerationStats()
         waiting = None
-        if len(prompts) > b:
+        if queue:
             if self._prefill_runner is None:
                 self._prefill_runner = StaticRunner(self.target, self.drafter.feature_layers)
                 self._owned.append(self._prefill_runner)
-            waiting = prefilled_requests(self._prefill_runner, prompts[b:], prefill_group, stopper, stats)
+            waiting = prefilled_requests(self._prefill_runner, queue, prefill_group, stopper, stats)
         runner = self.runner
-        runner.reset(b, max(len(p) for p in prompts) + max_new_tokens + self.drafter.tree_size)
+        longest = max([ids.shape[1]] + [len(p) for p in queue])
+        runner.reset(ids.shape[0], longest + max_new_tokens + self.drafter.tree_size)
         with runner.session(), self.drafter.session():
-            new = decode(runner, self.drafter, ids, mask, params, [stopper() for _ in range(b)], generator, stats,
-                         self._sync(), waiting=waiting, switch=self.switch)
+            new = decode(runner, self.drafter, ids, mask, params, [stopper() for _ in range(ids.shape[0])],
+                         generator, stats, self._sync(), waiting=waiting, switch=self.switch, streamer=streamer)
         stats.rows_new_tokens = [len(row) for row in new]
         stats.new_tokens = sum(stats.rows_new_tokens)
         stats.total_time_s = time.perf_counter() - t_start
-        return QueueOutput(new, stats)
+        return new, stats
 
     def _sync(self):
         return synchronizer(self.device) if self.profile else (lambda: None)

@@ -240,15 +240,15 @@ def test_compiled_batch_keeps_one_graph_as_rows_leave():
         runner = gen.runner
         assert runner.batch < len(rows) and runner.rows == len(rows)  # finished rows left; the buffers kept shape
         assert drafter.alive < len(rows) and drafter.kv_shape[0] == len(rows)
-    assert list(drafter.compile_s) == [len(rows)]
-    assert sorted(n for _, _, n in runner.compile_s) == [4] and runner.compiled
+    assert drafter.batches == {len(rows)}
+    assert sorted(n for _, _, n in runner.shapes) == [4] and runner.compiled
     for pick in ([0, 1], [0, 1, 2, 3], [1, 3]):  # other batch sizes and back: new buffers, new graphs
         step = runner._steps[4]
         assert cached_graphs(step)
         assert_rows_match(gen, target, [rows[i] for i in pick], max_new=30, eos=eos)
         assert not cached_graphs(step)  # the replaced buffers' graphs were freed with them
-    assert sorted(drafter.compile_s) == [2, 4]
-    assert sorted(r for r, _, _ in runner.compile_s) == [2, 4]
+    assert sorted(drafter.batches) == [2, 4]
+    assert sorted(r for r, _, _ in runner.shapes) == [2, 4]
 
 
 def cached_graphs(step) -> list:

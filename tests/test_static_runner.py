@@ -200,7 +200,7 @@ def test_compiled_runner_is_lossless_without_recompiles(compiled):
     g = torch.Generator().manual_seed(4)
     batch = prompts(6, 320, seed=3) + [torch.randint(3, 320, (1, n), generator=g) for n in (40, 150)]
     gen.warmup(192)  # compiles the step for buffers that hold every prompt below
-    assert {size for _, _, size in runner.compile_s} == {runner.buckets[0]}
+    assert {size for _, _, size in runner.shapes} == {runner.buckets[0]}
     graphs = counters["stats"]["unique_graphs"]
     for ids in batch:
         ref = target.generate(ids, do_sample=False, max_new_tokens=20)
@@ -228,7 +228,7 @@ def test_compiled_verify_steps_follow_their_buffers_when_they_grow():
     out = gen.generate(ids, max_new_tokens=24)
     assert runner.capacity > small and torch.equal(out.sequences, ref) and out.stats.mean_accepted > 1.5
     assert runner.cache.layers[0].keys[0, :, ids.shape[1] - 1].abs().sum() > 0  # the new buffer holds the prompt
-    assert len({capacity for _, capacity, _ in runner.compile_s}) == 2
+    assert len({capacity for _, capacity, _ in runner.shapes}) == 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from drafthead.errors import run_main
 from drafthead.hardware import cpu_flags, resolve_dtype
 from drafthead.paths import cache_dir
 from drafthead.utils import atomic_write_json
@@ -274,8 +273,8 @@ def warm_up(methods: list[Method], inputs: list[torch.Tensor], args) -> dict:
     for m in methods:
         if m.generator is not None:
             start = time.perf_counter()
-            m.generator.warmup(longest)
-            compile_s[m.name] = time.perf_counter() - start
+            per_bucket = m.generator.warmup(longest)
+            compile_s[m.name] = {"total": time.perf_counter() - start, "first_verify_per_bucket": per_bucket}
     for _ in range(args.warmup):
         for m in methods:
             m.run(inputs[0][:, :64])
@@ -357,8 +356,7 @@ def prepare_methods(args, model, tokenizer, inputs: list[torch.Tensor]) -> tuple
                             full_head if full_head is not head else None, draft_model)
     compile_s = warm_up(methods, inputs, args)
     setup = {"draft_vocab": head.config.draft_vocab_size if head is not None and args.draft_vocab else None,
-             "runner": type(runner).__name__, "compile": args.compile, "warmup_s": compile_s,
-             "compile_s_per_shape": {str(k): v for k, v in getattr(runner, "compile_s", {}).items()}, "tree": tree_info}
+             "runner": type(runner).__name__, "compile": args.compile, "warmup_s": compile_s, "tree": tree_info}
     return methods, setup, head
 
 

@@ -84,14 +84,18 @@ def _kernels(dtype: torch.dtype) -> tuple:
 
 
 @contextlib.contextmanager
-def small_row_kernel(max_rows: int = KERNEL_ROWS):
-    """Inside this context SmallRowLinear modules multiply inputs of up to `max_rows` rows with the kernel."""
-    global _row_limit
-    previous, _row_limit = _row_limit, max_rows
+def _module_global(name: str, value):
+    """Set one of this module's switches (read by the linears' forward, guarded by compiled steps) for a block."""
+    previous, globals()[name] = globals()[name], value
     try:
         yield
     finally:
-        _row_limit = previous
+        globals()[name] = previous
+
+
+def small_row_kernel(max_rows: int = KERNEL_ROWS) -> contextlib.AbstractContextManager:
+    """Inside this context SmallRowLinear modules multiply inputs of up to `max_rows` rows with the kernel."""
+    return _module_global("_row_limit", max_rows)
 
 
 @contextlib.contextmanager
@@ -150,15 +154,9 @@ class Int8CopyLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-@contextlib.contextmanager
-def int8_weights(active: bool = True):
+def int8_weights(active: bool = True) -> contextlib.AbstractContextManager:
     """Inside this context (when `active`) linears with an int8 copy (use_int8_weights) multiply with it."""
-    global _int8_active
-    previous, _int8_active = _int8_active, active
-    try:
-        yield
-    finally:
-        _int8_active = previous
+    return _module_global("_int8_active", active)
 
 
 def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,7 +30,6 @@ still verifies (greedy), and the draft's q is its own distribution over those to
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
 
 import torch
@@ -88,7 +87,7 @@ class StreamingSelfDrafter:
         device = next(model.parameters()).device
         self._step = (compile_step(self._draft_step, device, name="self_draft", unguarded=("self.cache",),
                                    cpp_wrapper=device.type == "cpu") if compile else self._draft_step)
-        self.compile_s: dict[int, float] = {}  # draft batch size -> seconds of its first (compiling) step
+        self.batches: set[int] = set()  # the draft batch sizes whose step has run (compiled: one graph each)
         self.layout = SlotMap(sink, window)
         self.gamma = gamma
         self.tree_size = gamma + 1
@@ -176,16 +175,13 @@ class StreamingSelfDrafter:
         # per depth (each draft token sees the chain so far, itself included)
         mask = to_additive((self.slot_pos >= 0)[:, None, None, :], self.cache.layers[0].keys.dtype)
         tokens, drafted, qs = roots[pad].view(full, 1), [], []
+        self.batches.add(full)
         for d in range(self.gamma):
             mask[..., self.scratch + d] = 0
             set_write_slot(self.cache, self.scratch + d)
-            first = full not in self.compile_s
-            start = time.perf_counter()
             # the padding rows cost no attention nor GEMM work (their tokens are junk)
             with int8_weights(self.int8), live_entries(b) as rows:
                 logits, greedy = self._step(tokens, positions + d, mask, self.kv_length, rows)
-            if first:
-                self.compile_s[full] = time.perf_counter() - start
             if params.do_sample:
                 if self.vocab is not None:  # the draft's own law: zero outside its vocabulary
                     logits = logits.new_full((full, self.vocab_size), float("-inf")).index_copy_(1, self.vocab,

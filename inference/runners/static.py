@@ -28,7 +28,6 @@ of one batch shape. The lengths are mirrored on the host, so a step needs no tra
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
 from typing import Callable
 
@@ -140,7 +139,7 @@ class StaticRunner:
         self.buckets = tuple(sorted(buckets))
         self.prefill_chunk = prefill_chunk
         self.compiled = compile
-        self.compile_s: dict[tuple[int, int, int], float] = {}  # (rows, capacity, bucket) -> first call's seconds
+        self.shapes: set[tuple[int, int, int]] = set()  # (rows, capacity, bucket) of every step built
         self._steps: dict[int, Callable] = {}  # bucket -> the verify step of the current buffers
         self.cache: StaticCache | None = None
         self.capacity = 0
@@ -289,6 +288,7 @@ class StaticRunner:
         if not self.compiled:
             return self._step_forward
         if size not in self._steps:
+            self.shapes.add((self.rows, self.capacity, size))
             small = self.rows * size <= SMALL_GEMM_ROWS and not self.small_rows
             # the buffers' guards are skipped (`unguarded`): new buffers come with new steps (reset)
             self._steps[size] = compile_step(self._step_forward, self.device, small_gemm=small,
@@ -365,13 +365,9 @@ class StaticRunner:
             tokens = tokens.contiguous()
         set_write_slot(self.cache, w)
         mask = to_additive(allowed.unsqueeze(1), self.dtype)
-        key = (self.rows, self.capacity, size)
-        t0 = time.perf_counter()
         with live_entries(b) as rows:  # rows that stopped cost neither attention nor GEMM work
             logits, features, greedy = self._step(size)(tokens, positions, mask, torch.tensor(w + size),
                                                         rows if self.rows > 1 else None)
-        if key not in self.compile_s:
-            self.compile_s[key] = time.perf_counter() - t0
         self.tree_at = w
         return logits[:b, :n], (features[:b, :n] if features is not None else None), greedy[:b, :n]
 
