@@ -1,11 +1,10 @@
 """Matmul attention for short query blocks over a preallocated KV buffer, registered with transformers'
 public AttentionInterface so any model that dispatches through it can use it.
 
-Why: on CPU, PyTorch's bf16 SDPA kernel costs ~0.3 ms per layer for ONE query over 512 cached keys (it is built
-for long query blocks), against ~0.08 ms for two small matmuls and a float32 softmax (measured on a 2-core
-AVX512-BF16 EPYC; fp32 SDPA is as fast as the matmuls). Decoding and tree verification send 1-64 queries, so the
-fast runner uses this on CPU in low precision. Grouped-query attention folds the query heads of each KV head into
-the query axis instead of repeating the keys (no copy of the KV buffer per step).
+Why: on CPU, PyTorch's bf16 SDPA kernel is built for long query blocks and costs several times two small matmuls
+for the 1-64 queries of decoding and tree verification (results/HISTORY.md), so the static runner uses this on CPU
+in low precision. Grouped-query attention folds the query heads of each KV head into the query axis instead of
+repeating the keys (no copy of the KV buffer per step).
 
 On a CPU with AVX512-BF16, in bf16, the runners use `kernel_attention` instead: prefix_attention.cpp reads only
 the used slots of the buffer in place (the matmuls either read the whole buffer or copy its strided prefix); in
@@ -25,10 +24,8 @@ from ..cpu.kernels import avx2_kernels_available, kernels_available
 NAME = "drafthead_matmul"
 # Inside a compiled step, query blocks up to this size are traced (attend() inline: the compiler fuses the mask,
 # softmax and layout copies around its two matmuls, and no Python op runs per layer) instead of calling the opaque
-# prefix_attention op. Traced code reads the whole buffer; larger blocks are a prompt's chunks, which the op slices
-# to the used prefix. SmolLM2-135M bf16, one token after ~200 over a 512-slot buffer, compiled step, 2-core Xeon
-# with AMX-BF16: 20.4 -> 16.6-17.7 ms (the op cost ~0.2 ms a layer, ~60 us of it Python); 2-core Zen 5 EPYC:
-# within noise. Rows in use (the batch runner's `rows`) keep the op, which skips the rows not in use.
+# prefix_attention op, which saves the op's per-layer overhead (results/HISTORY.md). Larger blocks (a prompt's
+# chunks) and calls with `rows` keep the op, which slices to the used prefix and skips the rows not in use.
 TRACED_MAX_QUERIES = 16
 PREFILL_NAME = "drafthead_sdpa_prefix"
 
@@ -39,19 +36,16 @@ def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """softmax((q·scaling)·kᵀ + mask) · v over the first `length` keys (the mask hides every slot after them).
     query (B, heads, n, D); key/value (B, kv_heads, S, D); mask (B, 1, n, S) additive; length: 0-dim tensor, the
     used prefix of the buffer (everything after it is masked anyway); rows: 0-dim tensor, the leading rows of the
-    batch that are in use (the batch runner keeps its shape as rows finish; later rows get zeros, unread). Returns
+    batch that are in use (the static runner keeps its shape as rows finish; later rows get zeros, unread). Returns
     (B, n, heads, D).
     An opaque op, so a compiled step keeps one static shape while the work follows the sequence length and the
     rows in use (a leading slice of the batch axis is contiguous: no copy).
     Two passes over the scores besides the matmuls (mask added in place; PyTorch's CPU softmax of bf16/fp16 input
-    computes in float32 and rounds once): at 8 rows × 8k keys × 4 queries this is ~15 % faster per layer than
-    scaling, casting to float32 and back around the softmax, with the same probabilities.
+    computes in float32 and rounds once), with the same probabilities as casting around the softmax, and faster.
     Slicing: a prefix of the buffer is not contiguous across (row, head), and PyTorch's CPU matmul copies such an
-    operand first; that copy costs ~10x the matmul over the same keys (8 rows × 3 KV heads, bf16, 2-core EPYC:
-    0.56 ms for q·kᵀ over a contiguous 8k buffer, 5.6 ms over an 8k prefix of a larger one). So the whole buffer is
+    operand first, at several times the matmul's cost (results/HISTORY_LONG_CONTEXT.md). So the whole buffer is
     read (the mask hides the unused slots) when the extra scores that costs (queries × unused slots) are fewer than
-    the used slots a slice would copy: decoding and short trees over a tight buffer; a prompt's long chunks slice
-    (1 row, 6k buffer: 1 query over 4k used slots 0.31 ms sliced, 0.14 ms whole; 64 queries 1.5 ms vs 5.3 ms)."""
+    the used slots a slice would copy: decoding and short trees over a tight buffer; a prompt's long chunks slice."""
     used, alive = int(length), int(rows)
     full, heads, n, d = query.shape
     if alive < full:
@@ -100,7 +94,7 @@ def matmul_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature; `drafthead_kv_length` (passed to the model's forward by the
-    static runner) limits the work to the used part of a preallocated buffer, `drafthead_rows` (the batch runner)
+    static runner) limits the work to the used part of a preallocated buffer, `drafthead_rows` (the static runner)
     to the leading rows in use."""
     b, _, n, _ = query.shape
     if attention_mask is None:
@@ -140,11 +134,8 @@ def kernel_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                      **kwargs) -> tuple[torch.Tensor, None]:
     """The C++ prefix-attention kernels (kernel_op: bf16 with AVX512-BF16, float32 with AVX2; up to
     KERNEL_MAX_QUERIES queries): read the used slots of the buffer in place, each KV head's keys and values once
-    for all its queries, float32 softmax; anything else goes to matmul_attention. Against the traced matmuls over the
-    whole buffer (SmolLM2-135M's shapes, one layer, 2-core Zen 4 EPYC, bf16): 1 query over 300 of 1152 slots 15 vs
-    96 us, 8 over 1000 80 vs 187 us, 16 over 1152 177 vs 283 us. float32 against the matmul op, 2-core Zen 3 EPYC,
-    8 rows × 8,256 keys: 1 query 18.4 vs 10.9 ms, 4 queries 24.8 vs 17.3 ms for the kernel's first version, which
-    the kept one beats by 1.3-1.6× (results/prefix_attention_avx2_ab_zen3.json)."""
+    for all its queries, float32 softmax; anything else goes to matmul_attention. Faster than the matmuls because
+    it reads only the used slots, once (results/HISTORY.md; float32: results/prefix_attention_avx2_ab_zen3.json)."""
     b, _, n, d = query.shape
     op = _KERNEL_OPS.get(query.dtype)
     if (op is None or n > KERNEL_MAX_QUERIES or attention_mask is None or d not in (32, 64, 128)
@@ -164,8 +155,7 @@ def prefix_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
                           attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
                           drafthead_kv_length: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """PyTorch SDPA over the used prefix of a preallocated buffer only: for long query blocks (a prompt's chunks),
-    where SDPA's fused kernel wins and attending the whole buffer would multiply the work (measured on a 2-core
-    EPYC, bf16, 512 queries over 1k used slots of an 8k buffer: 23 ms trimmed, 170 ms untrimmed per layer)."""
+    where SDPA's fused kernel wins and attending the whole buffer would multiply the work (results/HISTORY_LONG_CONTEXT.md)."""
     used = int(drafthead_kv_length) if drafthead_kv_length is not None else key.shape[2]
     key, value = key[:, :, :used], value[:, :, :used]
     mask = attention_mask[..., :used] if attention_mask is not None else None
@@ -193,14 +183,13 @@ def kv_length_kwargs(model: nn.Module, kv_length: int | torch.Tensor | None,
 
 def prefers_matmul_attention(device: torch.device, dtype: torch.dtype, compiled: bool = False) -> bool:
     """True where matmul attention beats SDPA for short query blocks: CPU in bf16/fp16, and CPU in any dtype inside
-    compiled steps, where short blocks are traced and fused (SmolLM2-135M fp32, 2-core Xeon with AMX, engine plain
-    decoding of 10 MT-bench prompts × 64 tokens: 35.8 tokens/s on SDPA, 39.2 on the traced kernel; eager fp32 SDPA
-    is as fast as the matmuls)."""
+    compiled steps, where short blocks are traced and fused (eager fp32 SDPA is as fast as the matmuls;
+    results/HISTORY.md)."""
     return device.type == "cpu" and (compiled or dtype in (torch.bfloat16, torch.float16))
 
 
 def decoding_attention(device: torch.device, dtype: torch.dtype, compiled: bool = False) -> str | None:
-    """The attention a fast runner's decoding steps dispatch to: the C++ kernel for its dtype where the CPU has one
+    """The attention the static runner's decoding steps dispatch to: the C++ kernel for its dtype where the CPU has one
     (kernel_op), the matmul kernel where prefers_matmul_attention, else None (the model's own)."""
     if device.type == "cpu" and kernel_op(dtype) is not None:
         return KERNEL_NAME

@@ -24,8 +24,8 @@ def own_code(method, name: str = ""):
 
 
 def compile_setting(compile: bool | str, device: torch.device) -> bool:
-    """Whether to compile: True/False (or the CLI's "on"/"off") as given; "auto" compiles on CUDA only (on a
-    2-core CPU each step shape costs ~30-45 s to compile and pays only over long runs)."""
+    """Whether to compile: True/False (or the CLI's "on"/"off") as given; "auto" compiles on CUDA only (on CPU a
+    step's compile time pays only over long runs; results/HISTORY.md)."""
     compile = {"on": True, "off": False}.get(compile, compile)
     if compile == "auto":
         return device.type == "cuda"

@@ -4,7 +4,7 @@ On a CPU the head's lm_head over a 32k draft vocabulary costs more than the rest
 most frequent N tokens (rows of lm_head and d2t, no retraining; `DraftHead.pruned`) makes every drafting depth
 cheaper, at the price of never drafting the rare tokens. Output stays lossless: the target still decides.
 
-    python -m inference.draft_vocab --draft HEAD --target TARGET --keep 8192 --out PRUNED_HEAD
+    python -m inference.tuning.draft_vocab --draft HEAD --target TARGET --keep 8192 --out PRUNED_HEAD
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from ..jsonl import iter_jsonl
 
 ASSISTANT = {"gpt", "assistant", "chatgpt", "bard", "bing"}
 # `--draft-vocab auto`: the sizes the tuner tries (besides the unpruned head), and the one it tunes the tree with.
-# On 2-core EPYCs SmolLM2's benchmark head pruned to 4,096 of its 32,000 draft tokens drafted ~2x faster and kept
-# most of its acceptance; the neighbours on either side are where the balance could tip on other hardware.
+# Pruned to 4,096 the benchmark head drafted much faster and kept most of its acceptance
+# (results/engine_bench_mtbench80_pruned4096.json); the neighbours are where the balance could tip elsewhere.
 AUTO_SIZES = (2048, 4096, 8192)
 AUTO_TUNING_SIZE = 4096
 
