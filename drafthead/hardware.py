@@ -12,7 +12,7 @@ from drafthead.utils import parse_dtype
 
 def cpu_has_bf16() -> bool:
     """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX); without it bf16 matmuls are emulated
-    and a multi-token forward runs several times slower than fp32 (measured on an AVX2-only EPYC)."""
+    and a multi-token forward runs several times slower than fp32 (results/HISTORY.md)."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:

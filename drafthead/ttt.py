@@ -8,8 +8,8 @@ x_{t+i+1}, at position t+i, and predicts x_{t+i+2}. Attention at step i sees the
 The attention of step i is computed as that structure, not as a dense mask over its (i+1)·L keys: one causal
 L × L block against the step-0 keys, plus one score per later block (query t against that block's key t), all
 under one softmax (`ttt_attention`). A dense masked attention does (i+1) times the work of the first block; over
-7 steps that is 28 blocks where this does 7 plus the diagonals (SmolLM2-135M's head, 1,024 tokens, bf16, 2-core
-Zen 4 EPYC: the attention's share of a training step ~33 % -> ~8 %).
+7 steps that is 28 blocks where this does 7 plus the diagonals (the attention's share of a training step fell about
+fourfold: results/HISTORY.md).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ that proposed it, for per-drafter acceptance statistics. Trees of one step share
 step to step (the runner pads it to its next verify bucket), up to `tree_size`.
 
 Drafters: PlainDrafter (here: no draft, plain decoding), HeadDrafter (eagle.py, an EAGLE head's dynamic trees,
-full or windowed KV), LookupBranch (prompt_lookup.py: prompt lookup alone, or beside another drafter's trees),
+full or windowed KV), LookupBranch (lookup.py: prompt lookup alone, or beside another drafter's trees),
 DraftModelDrafter (draft_model.py) and StreamingSelfDrafter (self_draft.py, MagicDec).
 """
 

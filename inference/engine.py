@@ -108,7 +108,7 @@ class SpeculativeGenerator:
             self.head = draft.eval()
             self.options = tree_options(tree, **tree_overrides)
             streaming = dict(sink=sink, window=window) if draft_kv == "streaming" else {}
-            self.drafter = HeadDrafter(self.head, self.options, **streaming)
+            self.drafter = HeadDrafter(self.head, self.options, compile=self.compile, **streaming)
         elif draft is None:
             raise ValueError("a drafter is needed unless tree='none' (plain decoding)")
         elif isinstance(draft, Drafter):

@@ -22,7 +22,7 @@ from collections import deque
 
 class SpeculationSwitch:
     """Chooses, each step of a batched decode, between speculating and a plain step (see the module docstring).
-    One decode at a time: `reset()` at its start (decode_batch does)."""
+    One decode at a time: `reset()` at its start (decode.py does)."""
 
     def __init__(self, recheck_every: int = 32, keep: int = 4, smoothing: float = 0.5):
         if recheck_every < 2 or keep < 1 or not 0 < smoothing <= 1:

@@ -8,8 +8,8 @@ micro-batch) that live from the forward to the backward of every step. Here each
 and its logits' gradient w_n (sum(p_n) softmax(z_n) - p_n) while the chunk's logits are live, and turns the
 latter at once into the gradients of h and W (the same two matrix products autograd does): nothing of size
 (N, V) outlives its chunk, and the backward pass only scales the stored gradients. The elementwise part of a
-chunk (`chunk_loss`) is compiled once (inductor fuses it into a few loops: C++ on a CPU, Triton on a GPU; 2-core
-Zen 4, 700 rows x 32k, bf16: ~100 ms -> ~50 ms an unroll step against autograd's). Same arithmetic as
+chunk (`chunk_loss`) is compiled once (inductor fuses it into a few loops: C++ on a CPU, Triton on a GPU; about
+half autograd's time an unroll step: results/HISTORY.md). Same arithmetic as
 autograd's: logits and the gradient products in the input's dtype, or autocast's under autocast (the chunks'
 weight gradients summed in the weight's dtype, as autograd sums the unroll steps'), softmax and loss in float32.
 """

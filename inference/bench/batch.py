@@ -63,7 +63,7 @@ LOOKUP = "+lookup"  # a method's name + this: its trees with the prompt-lookup b
 BATCH_METHODS.update({name + LOOKUP: f"{name}, plus the prompt-lookup branch (--lookup-tokens, --lookup-nodes)"
                       for name in ("self", "self_int8", "head", "head_window")})
 AUTO = "_auto"  # a method's name + this: the same drafter, speculating only on the steps where it pays
-BATCH_METHODS.update({name + AUTO: f"{name}, speculating only where its measured cost pays (batch_switch.py)"
+BATCH_METHODS.update({name + AUTO: f"{name}, speculating only where its measured cost pays (switch.py)"
                       for name in ("self", "self_int8", "head", "head_window", "self_int8" + LOOKUP)})
 
 
@@ -131,15 +131,14 @@ def run_group(runner: StaticRunner, drafters: dict, rows: list[dict], max_new: i
     mask = torch.ones_like(ids)
     params = SamplingParams()
     longest = max(len(row["ids"]) for row in [*rows, *waiting])
-    runner.reset(b, longest + max_new + max(d.tree_size for d in drafters.values()))
-    runner.load_rows(rows)
+    length = longest + max_new + max(d.tree_size for d in drafters.values())
     features = torch.stack([row["features"] for row in rows]) if rows[0]["features"] is not None else None
     prefilled = (torch.stack([row["logits"] for row in rows]), features)
-    state = runner.snapshot()
     out = {}
 
     def decode(name, drafter, new_tokens: int) -> tuple[list[list[int]], GenerationStats, float]:
-        runner.restore(state)
+        runner.reset(b, length)  # the same buffers, the group's prefilled rows copied in afresh
+        runner.load_rows(rows)
         stats = GenerationStats()
         stoppers = [Stopper(set(), [], None, new_tokens) for _ in range(b)]
         queue = (Request(row["ids"], row["kv"], row["logits"], row["features"], Stopper(set(), [], None, new_tokens))

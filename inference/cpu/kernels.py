@@ -99,6 +99,24 @@ def _sources(names: tuple[str, ...]) -> list[Path]:
     return [Path(__file__).with_name(name) for name in names]
 
 
+def _register_fakes(namespace: str, block: int) -> None:
+    """The output shapes of one kernel library's ops, for torch.compile's tracing (`block`: its output columns a
+    packed weight row)."""
+
+    @torch.library.register_fake(f"{namespace}::small_linear")
+    def _(x, packed, bias, live=None):
+        return x.new_empty(*x.shape[:-1], packed.shape[0] * block)
+
+    @torch.library.register_fake(f"{namespace}::small_linear_int8")
+    def _(x, packed, columns, bias, live=None):
+        return x.new_empty(*x.shape[:-1], packed.shape[0] * block)
+
+    @torch.library.register_fake(f"{namespace}::prefix_attention")
+    def _(query, key, value, mask, scaling, length, rows):
+        b, heads, n, d = query.shape
+        return query.new_empty(b, n, heads, d)
+
+
 @functools.cache
 def kernels_available() -> bool:
     """True once the kernels are built and loaded; builds them on the first call where the CPU has AVX512-BF16."""
@@ -107,20 +125,7 @@ def kernels_available() -> bool:
     flags = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]
     if not _build("drafthead_cpu_kernels", _sources(SOURCES), flags, "AVX512-BF16"):
         return False
-
-    @torch.library.register_fake("drafthead_kernels::small_linear")
-    def _(x, packed, bias, live=None):
-        return x.new_empty(*x.shape[:-1], packed.shape[0] * BLOCK)
-
-    @torch.library.register_fake("drafthead_kernels::small_linear_int8")
-    def _(x, packed, columns, bias, live=None):
-        return x.new_empty(*x.shape[:-1], packed.shape[0] * BLOCK)
-
-    @torch.library.register_fake("drafthead_kernels::prefix_attention")
-    def _(query, key, value, mask, scaling, length, rows):
-        b, heads, n, d = query.shape
-        return query.new_empty(b, n, heads, d)
-
+    _register_fakes("drafthead_kernels", BLOCK)
     return True
 
 
@@ -132,18 +137,5 @@ def avx2_kernels_available() -> bool:
         return False
     if not _build("drafthead_avx2_kernels", _sources(AVX2_SOURCES), ["-mavx2", "-mfma"], "AVX2"):
         return False
-
-    @torch.library.register_fake("drafthead_avx2::small_linear")
-    def _(x, packed, bias, live=None):
-        return x.new_empty(*x.shape[:-1], packed.shape[0] * FLOAT_BLOCK)
-
-    @torch.library.register_fake("drafthead_avx2::small_linear_int8")
-    def _(x, packed, columns, bias, live=None):
-        return x.new_empty(*x.shape[:-1], packed.shape[0] * FLOAT_BLOCK)
-
-    @torch.library.register_fake("drafthead_avx2::prefix_attention")
-    def _(query, key, value, mask, scaling, length, rows):
-        b, heads, n, d = query.shape
-        return query.new_empty(b, n, heads, d)
-
+    _register_fakes("drafthead_avx2", FLOAT_BLOCK)
     return True

@@ -38,6 +38,8 @@
 #include <cstring>
 #include <vector>
 
+#include "spans.h"
+
 namespace {
 
 constexpr int kLanes = 16;      // (query head, query) pairs per pass over a KV head's keys
@@ -588,50 +590,16 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
         }
       }
 
-      for (int64_t flat = lane0; flat < lane1; ++flat) {
-        if (spans == 1) {
-          store_row(acc + flat * dim, dim, 1.0f / run_sum[flat],
-                    o + ((b * n + flat % n) * heads + kvh * groups + flat / n) * dim);
-        } else {
-          span_max[piece * lanes_pad + flat] = run_max[flat];
-          span_sum[piece * lanes_pad + flat] = run_sum[flat];
-          std::memcpy(span_acc.data() + (piece * lanes_pad + flat) * dim, acc + flat * dim, dim * sizeof(float));
-        }
-      }
+      finish_lanes(lane0, lane1, piece, b, kvh, spans, lanes_pad, dim, n, heads, groups, run_max, run_sum, acc, span_max,
+                   span_sum, span_acc, o, store_row);
     }
   });
 
   if (spans > 1) {  // combine the spans of each (row, KV head, lane), in span order
-    at::parallel_for(0, alive * kv_heads * lanes_total, 1, [&](int64_t first, int64_t last) {
-      alignas(64) float sums[128];
-      for (int64_t item = first; item < last; ++item) {
-        const int64_t bh = item / lanes_total, flat = item % lanes_total;
-        const int64_t b = bh / kv_heads, kvh = bh % kv_heads;
-        float best = -INFINITY;
-        for (int64_t s = 0; s < spans; ++s) best = std::max(best, span_max[(bh * spans + s) * lanes_pad + flat]);
-        float total = 0.0f;
-        for (int64_t c = 0; c < dim; ++c) sums[c] = 0.0f;
-        for (int64_t s = 0; s < spans; ++s) {
-          const int64_t at = (bh * spans + s) * lanes_pad + flat;
-          const float m = span_max[at];
-          const float w = m == -INFINITY ? 0.0f : std::exp(m - best);
-          if (w == 0.0f) continue;
-          total += w * span_sum[at];
-          const float* part = span_acc.data() + at * dim;
-          for (int64_t c = 0; c < dim; ++c) sums[c] += w * part[c];
-        }
-        store_row(sums, dim, 1.0f / total, o + ((b * n + flat % n) * heads + kvh * groups + flat / n) * dim);
-      }
-    });
+    combine_spans(alive, kv_heads, lanes_total, lanes_pad, spans, dim, n, heads, groups, span_max, span_sum, span_acc, o,
+                  store_row);
   }
   return out;
 }
 
-TORCH_LIBRARY_FRAGMENT(drafthead_kernels, m) {
-  m.def("prefix_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scaling, Tensor length, "
-        "Tensor rows) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(drafthead_kernels, CPU, m) {
-  m.impl("prefix_attention", &prefix_attention_bf16);
-}
+DRAFTHEAD_PREFIX_ATTENTION_OP(drafthead_kernels, prefix_attention_bf16)

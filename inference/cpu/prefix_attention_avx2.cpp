@@ -28,6 +28,8 @@
 #include <cstring>
 #include <vector>
 
+#include "spans.h"
+
 namespace {
 
 constexpr int kKeys = 8;          // keys per vector of scores
@@ -294,50 +296,16 @@ torch::Tensor prefix_attention_float(const torch::Tensor& query, const torch::Te
         kernels.weigh(probs, static_cast<int>(lanes), values + c0 * dim, count, acc);
       }
 
-      for (int64_t lane = 0; lane < lanes; ++lane) {
-        if (spans == 1) {
-          store_row(acc + lane * dim, dim, 1.0f / run_sum[lane],
-                    o + ((b * n + lane % n) * heads + kvh * groups + lane / n) * dim);
-        } else {
-          span_max[piece * lanes + lane] = run_max[lane];
-          span_sum[piece * lanes + lane] = run_sum[lane];
-          std::memcpy(span_acc.data() + (piece * lanes + lane) * dim, acc + lane * dim, dim * sizeof(float));
-        }
-      }
+      finish_lanes(0, lanes, piece, b, kvh, spans, lanes, dim, n, heads, groups, run_max, run_sum, acc, span_max,
+                   span_sum, span_acc, o, store_row);
     }
   });
 
   if (spans > 1) {  // combine the spans of each (row, KV head, lane), in span order
-    at::parallel_for(0, alive * kv_heads * lanes, 1, [&](int64_t first, int64_t last) {
-      alignas(32) float sums[128];
-      for (int64_t item = first; item < last; ++item) {
-        const int64_t bh = item / lanes, lane = item % lanes;
-        const int64_t b = bh / kv_heads, kvh = bh % kv_heads;
-        float best = -INFINITY;
-        for (int64_t s = 0; s < spans; ++s) best = std::max(best, span_max[(bh * spans + s) * lanes + lane]);
-        float total = 0.0f;
-        for (int64_t c = 0; c < dim; ++c) sums[c] = 0.0f;
-        for (int64_t s = 0; s < spans; ++s) {
-          const int64_t at = (bh * spans + s) * lanes + lane;
-          const float m = span_max[at];
-          const float w = m == -INFINITY ? 0.0f : std::exp(m - best);
-          if (w == 0.0f) continue;
-          total += w * span_sum[at];
-          const float* part = span_acc.data() + at * dim;
-          for (int64_t c = 0; c < dim; ++c) sums[c] += w * part[c];
-        }
-        store_row(sums, dim, 1.0f / total, o + ((b * n + lane % n) * heads + kvh * groups + lane / n) * dim);
-      }
-    });
+    combine_spans(alive, kv_heads, lanes, lanes, spans, dim, n, heads, groups, span_max, span_sum, span_acc, o,
+                  store_row);
   }
   return out;
 }
 
-TORCH_LIBRARY_FRAGMENT(drafthead_avx2, m) {
-  m.def("prefix_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scaling, Tensor length, "
-        "Tensor rows) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(drafthead_avx2, CPU, m) {
-  m.impl("prefix_attention", &prefix_attention_float);
-}
+DRAFTHEAD_PREFIX_ATTENTION_OP(drafthead_avx2, prefix_attention_float)

@@ -1,22 +1,15 @@
-"""A bf16 GEMM kernel for the few rows of a decoding step (small_gemm.cpp), and the linear layers that use it.
+"""Small-row GEMM kernels for the few rows of a decoding step (small_gemm.cpp: bf16 with AVX512-BF16;
+small_gemm_avx2.cpp: float32 with AVX2 + FMA), and the linear layers that use them.
 
-Why: a decoding step (1 token) or a tree verification (a few to 16 tokens) multiplies a handful of rows by every
-weight of the model, so it is bound by reading the weights once. PyTorch's bf16 linear (oneDNN) does not stream
-them at that size: SmolLM2-135M's 211 linears, distinct weights, 2-core Zen 4 EPYC with AVX512-BF16, eager calls:
-oneDNN 20 ms at 1 row, 23 at 8, 29 at 16; this kernel 9.6, 9.9 and 14.8 ms (~28 GB/s, the machine's read
-bandwidth). Each output is summed in the same order whatever the number of rows, so a token's logits do not depend
-on the tree verified beside it.
-
-Float32 weights have their own kernel (small_gemm_avx2.cpp: AVX2 + FMA, for CPUs without AVX512-BF16, where
-float32 is the fast dtype): MKL's float32 linear streams SmolLM2's lm_head at ~2.5 GB/s at 8 rows on a 2-core AVX2
-EPYC, the kernel at ~7. Each kernel is built on first use where the CPU has its instructions (cpu_kernels.py);
-elsewhere nothing changes.
-`use_small_row_kernel(model)` turns a model's bf16 `nn.Linear` modules (and, asked, its float32 ones: the batch
-runner does) into `SmallRowLinear` in place: same
-parameters and state dict, plus a packed copy of each weight (one more copy of the linear weights in memory). They
-use the kernel only inside `small_row_kernel(max_rows)` (the fast runners' decoding sessions) and only for inputs
-of up to `max_rows` rows; elsewhere (a prompt, the user's own calls of the model) they are exactly nn.Linear. The
-weights are packed once: for frozen inference weights.
+Why: a decoding step or a tree verification multiplies a handful of rows by every weight of the model, so it is
+bound by reading the weights once, and PyTorch's linears do not stream them at that size (results/HISTORY.md). Each
+output is summed in the same order whatever the number of rows, so a token's logits do not depend on the tree
+verified beside it. Each kernel is built on first use where the CPU has its instructions (kernels.py).
+`use_small_row_kernel(model)` turns a model's bf16 `nn.Linear` modules (and, asked, its float32 ones) into
+`SmallRowLinear` in place: same parameters and state dict, plus a packed copy of each weight. They use the kernel
+only inside `small_row_kernel(max_rows)` (the runners' decoding sessions) and only for inputs of up to `max_rows`
+rows; elsewhere (a prompt, the user's own calls of the model) they are exactly nn.Linear, and release_kernels gives
+the model its own linears back.
 """
 
 from __future__ import annotations
@@ -34,20 +27,9 @@ from .kernels import BLOCK, FLOAT_BLOCK, avx2_kernels_available, kernels_availab
 # inputs of up to this many rows use the kernel (it streams the weights at 1-8 rows; at 16 it still costs half
 # of oneDNN's time; beyond that the step is no longer bound by the weights)
 KERNEL_ROWS = 16
-# a batch's verify step multiplies rows × tree tokens: the batch runner's sessions allow this many. SmolLM2-135M's
-# 211 linears, distinct weights, eager, 2-core Zen 4 EPYC (2026-11-26): kernel 11.7 / 14.7 / 27.2 / 44.2 ms at
-# 8 / 16 / 32 / 64 rows against oneDNN's 27.3 / 30.7 / 44.8 / 75.2; in the batch runner's compiled verify step
-# (8 rows × 8k keys, scripts/verify_cost.py) 3-5 tokens a row cost 6-7 % less than with the limit at 16
+# a batch's verify step multiplies rows x tree tokens: the static runner's sessions allow this many, where the kernel
+# still beats oneDNN and MKL (results/HISTORY.md)
 BATCH_KERNEL_ROWS = 64
-# float32 (small_gemm_avx2.cpp) takes as many rows as the session allows. Single linears, 2-core AVX2 EPYC (Zen 3),
-# 2026-11-28, kernel / F.linear ms: 576->49152 (lm_head) at 1 / 8 / 16 / 32 / 64 rows 8.3 / 17.6, 8.1 / 40.8,
-# 12.9 / 45.0, 23.4 / 66.5, 42.0 / 79.8; 576->1536 at 8 / 32 / 64 rows 0.17 / 0.32, 0.68 / 0.87, 1.26 / 1.48 (before
-# its row loops were unrolled, GCC kept the accumulators in memory and MKL won from 32 rows, so 16 was the limit).
-# Only the batch runner converts float32 linears (use_small_row_kernel(float32=True)): its compiled steps of 8 rows ×
-# 1k keys cost 142 ms with the kernel against 251 without (2 tokens a row: 204 / 285); the single-sequence engine's
-# compiled steps (1 row, inductor's frozen MKL GEMMs) were 7 % slower with it before the unrolling (10 MT-bench
-# prompts, plain 24.7 -> 22.9 tokens/s) and still are after it for plain decoding (31.8 -> 27.3, one process, taking
-# turns; a 2/3/3 tree 33.8 -> 34.7: results/small_gemm_avx2_unrolled_zen3.json)
 
 # the row limit inside small_row_kernel() (0: outside); a module global, so a compiled step guards on it (a module
 # attribute would not be guarded: the compiled steps skip guards on nn.Module state)
@@ -130,15 +112,10 @@ class SmallRowLinear(nn.Linear):
 
 
 # ---------------------------------------------------------------------------------------------- int8 drafting
-# A draft need not compute exactly what the target does (the target verifies every token it proposes), only
-# agree with it often. A self-draft (self_draft.py) is the target's own forward at a few rows, bound by reading
-# the weights: with an int8 copy of them (per output column) and each input row quantised to int8 on the fly, a
-# step streams half the bytes (small_gemm.cpp's AVX512-VNNI kernel; SmolLM2-135M's 211 linears at 8 rows, 2-core
-# Zen 4 EPYC: ~9 -> ~5-6 ms). SmolLM2-135M's greedy choices over long real text agree with the bf16 model's
-# at ~96 % (bf16 against float32: ~99 %). A float32 model's int8 copy on an AVX2 CPU goes to small_gemm_avx2.cpp
-# instead: weight-only (x stays float32; the weights are widened to float32 in registers), a quarter of the bytes
-# (SmolLM2's lm_head, 2-core Zen 3: 1 row 6.9 -> 2.5 ms against the float32 kernel; at 8 rows both are bound by
-# their FMAs, ~7-8 ms).
+# A draft need not compute exactly what the target does (the target verifies every token it proposes), only agree
+# with it often: a self-draft's step is bound by reading the weights, and an int8 copy of them (per output column)
+# halves the bytes (AVX512-VNNI, each input row quantised on the fly) or quarters float32's (AVX2, weight-only);
+# measurements in results/HISTORY.md.
 
 
 class Int8CopyLinear(nn.Linear):

@@ -6,7 +6,7 @@ first feeds the true pairs of the last verification (their last token is the roo
 depth 1. Every row then expands its own top-k frontier at every depth in ONE head forward for the whole batch
 (tree.expand_tree), and keeps its own best `total_tokens` candidates (tree.select_tree), so all rows' trees have the
 same size (one target verify shape). Rows sit at different positions: the head's buffer is
-addressed per row (slots.py), its stable part holding each row's true pairs (target feature at t, token t+1) at
+addressed per row (runners/kv.py), its stable part holding each row's true pairs (target feature at t, token t+1) at
 the slot of position t, and a shared scratch region after it holding the drafted frontier nodes of the current
 tree.
 
@@ -26,8 +26,10 @@ import torch
 from drafthead.masks import to_additive
 from drafthead.model import DraftHead
 
-from ..cpu.small_gemm import release_kernels, use_small_row_kernel
+from ..cpu.small_gemm import BATCH_KERNEL_ROWS, release_kernels, small_row_kernel, use_small_row_kernel
 from ..drafter import Accepted
+from ..runners.attention import decoding_attention
+from ..runners.compile import compile_step
 from ..runners.kv import SlotMap, write_rows
 from ..tree import DraftTree, TreeOptions, expand_tree, select_tree
 
@@ -69,21 +71,29 @@ class HeadDrafter:
     name = "eagle"
     origin_names = ("head",)
 
-    def __init__(self, head: DraftHead, options: TreeOptions, sink: int = 0, window: int | None = None):
+    def __init__(self, head: DraftHead, options: TreeOptions, sink: int = 0, window: int | None = None,
+                 compile: bool = False):
         self.head = head.eval()
-        # bf16 on a CPU with AVX512-BF16: the head's linears multiply their few rows with the small-row kernel inside
-        # the runner's session (results/HISTORY.md)
-        use_small_row_kernel(head)
+        self.dtype = next(head.parameters()).dtype
+        self.device = next(head.parameters()).device
+        # the head's linears multiply their few rows with the small-row kernel where the CPU has one for their dtype,
+        # and its attention runs on the decoding kernel, both only while it drafts (_drafting)
+        use_small_row_kernel(head, float32=True)
+        self.attention = decoding_attention(self.device, self.dtype)
         self.close = weakref.finalize(self, release_kernels, head)  # its own linears again, on close() or drop
         self.opt = options
         self.layout = SlotMap(sink, window)
         self.tree_size = options.tree_size
-        self.dtype = next(head.parameters()).dtype
         self.cache: RowSlotCache | None = None
         self.slot_pos: torch.Tensor | None = None  # (B, capacity) position held by each slot, -1 if none
         self.next_pos: torch.Tensor | None = None  # (B,) pairs fed so far (the root's position)
         self.pending: dict[str, torch.Tensor] = {}  # true pairs waiting for the next root
         self.stable_slots = self.capacity = 0
+        # the tree's expansion (every depth and the selection) as one compiled graph per tree shape and buffer
+        # shape; its many small kernels are called from C++ on CPU
+        self._expand = (compile_step(self._expand_tree, self.device, cpp_wrapper=self.device.type == "cpu",
+                                     name=f"draft{options.depth}_{options.top_k}_{options.total_tokens}")
+                        if compile else self._expand_tree)
 
     @property
     def feature_layers(self) -> list[int]:
@@ -101,6 +111,20 @@ class HeadDrafter:
     def session(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # the head runs inside the target runner's session
 
+    @contextlib.contextmanager
+    def _drafting(self):
+        """The head's kernels for the block: the small-row GEMM (whatever the target's session allows) and the
+        decoding attention; the head's own attention setting is restored after."""
+        config = self.head.midlayer.self_attn.config
+        previous = config._attn_implementation
+        if self.attention is not None:
+            config._attn_implementation = self.attention
+        try:
+            with small_row_kernel(BATCH_KERNEL_ROWS):
+                yield
+        finally:
+            config._attn_implementation = previous
+
     # ------------------------------------------------------------------------------ the drafter protocol
     def begin(self, runner, input_ids: torch.Tensor, attention_mask, features: torch.Tensor) -> None:
         """Fresh buffers; the prompt's pairs (feature at t, token t+1) wait for the first roots (the last pair's
@@ -111,8 +135,9 @@ class HeadDrafter:
         self.stable_slots = self.layout.size(runner.capacity)
         self.capacity = self.stable_slots + self.opt.depth * self.opt.top_k + 1
         shape = (b, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
-        self.cache = RowSlotCache(torch.zeros(shape, dtype=self.dtype, device=device),
-                                  torch.zeros(shape, dtype=self.dtype, device=device))
+        if self.cache is None or tuple(self.cache.keys.shape) != shape:  # else reused: slot_pos says what is held
+            self.cache = RowSlotCache(torch.zeros(shape, dtype=self.dtype, device=device),
+                                      torch.zeros(shape, dtype=self.dtype, device=device))
         self.slot_pos = torch.full((b, self.capacity), -1, dtype=torch.long, device=device)
         self.next_pos = torch.zeros(b, dtype=torch.long, device=device)
         lengths = runner.positions  # (B,) prompt tokens of each row
@@ -128,13 +153,15 @@ class HeadDrafter:
     @torch.inference_mode()
     def propose(self, roots: torch.Tensor, params=None, generator=None) -> DraftTree:
         """Feed each row's pending pairs (the last one's token is its root), then draft the rows' trees."""
-        last, scores, tokens = self._feed(roots)
-        return self._draft(roots, last, scores, tokens)
+        with self._drafting():
+            last, scores, tokens = self._feed(roots)
+            return self._draft(roots, last, scores, tokens)
 
     @torch.inference_mode()
     def skip(self, roots: torch.Tensor) -> None:
         """A plain step instead of a tree: the pending pairs are fed all the same (accept() brings the next ones)."""
-        self._feed_pending(roots)
+        with self._drafting():
+            self._feed_pending(roots)
 
     def accept(self, accepted: Accepted, features: torch.Tensor) -> None:
         """Row i's pairs: the accepted nodes' true features, each with the token after it (the last: the root)."""
@@ -163,7 +190,8 @@ class HeadDrafter:
         self.cache = RowSlotCache(full[0].keys[row: row + 1], full[0].values[row: row + 1])  # views of the row
         self.slot_pos = full[1][row: row + 1]
         self.slot_pos.fill_(-1)
-        self._feed_pairs(tokens[:, :-1], feats[:, :-1], positions[:, :-1], valid[:, :-1])
+        with self._drafting():
+            self._feed_pairs(tokens[:, :-1], feats[:, :-1], positions[:, :-1], valid[:, :-1])
         self.cache, self.slot_pos = full
         self.next_pos[row] = t - 1
         mine = dict(features=feats[:, -1:], tokens=tokens[:, -1:], positions=positions[:, -1:], valid=valid[:, -1:],
@@ -221,9 +249,13 @@ class HeadDrafter:
         return last
 
     def _draft(self, roots, last, scores, tokens) -> DraftTree:
+        """Each row's tree, expanded from depth 1 (the head's top-k at its root)."""
+        return DraftTree(*self._expand(roots, last, scores, tokens))
+
+    def _expand_tree(self, roots, last, scores, tokens) -> tuple[torch.Tensor, ...]:
         """Expand every row's tree depth by depth (tree.expand_tree: one head forward per depth for the batch);
         the frontier is written at shared scratch slots after the stable part and attends each row's true pairs
-        plus its own drafted ancestors."""
+        plus its own drafted ancestors. Returns select_tree's tensors."""
         b = roots.shape[0]
         held = self.slot_pos >= 0  # (B, capacity): each row's true pairs
         s = self.stable_slots
@@ -239,4 +271,4 @@ class HeadDrafter:
             return (out, *head_top_k(self.head, out, k))
 
         candidates = expand_tree(scores, tokens, last, self.opt.depth, step)
-        return DraftTree(*select_tree(roots, *candidates, self.opt.total_tokens, self.opt.depth))
+        return select_tree(roots, *candidates, self.opt.total_tokens, self.opt.depth)

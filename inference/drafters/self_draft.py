@@ -6,7 +6,7 @@ full-KV target verifies the chain as usual (greedy, or lossless speculative samp
 context is long, each step of the full target reads far more KV than weights, while a draft step reads only
 sink + window entries, so drafting stays cheap however long the context grows.
 
-The draft keeps its own buffers (sink + window + gamma slots per row, constant in the context length: slots.py's
+The draft keeps its own buffers (sink + window + gamma slots per row, constant in the context length: runners/kv.py's
 streaming layout). They are never computed by the draft itself: after every verification the newly committed
 entries are copied from the target's full buffers, so the draft always holds the target's exact KV for the
 positions it keeps; only its drafted tokens (written in scratch slots after the ring) are its own.

@@ -110,7 +110,7 @@ def static_cache(model: nn.Module, batch: int, capacity: int) -> StaticCache:
     device (so a compiled step sees fixed buffer addresses from its first call). Every layer's keys and values
     are views of ONE tensor, `cache.drafthead_kv` (2, layers, batch, kv_heads, capacity, head_dim), and every
     layer's write position a view of `cache.drafthead_lengths` (layers,): moving the accepted slots of all layers
-    (compact_slots) and setting the write slot (set_write_slot) are one op each instead of one per layer, which
+    (StaticRunner.commit) and setting the write slot (set_write_slot) are one op each instead of one per layer, which
     saves Python overhead every step (results/HISTORY.md)."""
     config = model.config.get_text_config(decoder=True)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -132,10 +132,3 @@ def set_write_slot(cache: StaticCache, slot: int) -> None:
     """The next tokens a forward writes into `cache` land at slots slot, slot+1, ... of every layer (transformers'
     StaticLayer writes at its cumulative length, a tensor updated in place)."""
     cache.drafthead_lengths.fill_(slot)
-
-
-def compact_slots(cache: StaticCache, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Every layer's keys and values at buffer slots `src` move to slots `dst` (all rows; a gather, then the
-    write)."""
-    kv = cache.drafthead_kv
-    kv.index_copy_(4, dst, kv.index_select(4, src))

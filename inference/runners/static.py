@@ -212,20 +212,6 @@ class StaticRunner:
         self.length = lengths
         self.lengths = lengths.tolist()
 
-    def snapshot(self) -> dict:
-        """A copy of the buffers and row state (to rerun the same prefilled batch with another drafter)."""
-        return {"kv": [(k.clone(), v.clone()) for k, v in self.layers()], "start": self.start.clone(),
-                "length": self.length.clone()}
-
-    @torch.inference_mode()
-    def restore(self, state: dict) -> None:
-        """Back to a snapshot() of this runner (same rows), in the same buffers."""
-        self.start, self.length = state["start"].clone(), state["length"].clone()
-        self.lengths = self.length.tolist()
-        for (keys, values), (k, v) in zip(self.layers(), state["kv"]):
-            keys.copy_(k)
-            values.copy_(v)
-
     def export_rows(self) -> list[dict]:
         """Each row's committed entries [start_i, length_i) of every layer (to rebuild other batches from the
         same prefilled prompts with load_rows)."""
@@ -260,8 +246,13 @@ class StaticRunner:
         """The model dispatches attention to this runner's kernel inside it, and multiplies a step's rows x tree
         tokens with the small-row GEMM (decoding_session). Float32 at one row compiled is the exception: inductor's
         frozen GEMMs beat the kernel there (results/small_gemm_avx2_unrolled_zen3.json)."""
+        return decoding_session(self, self.kernel_rows)
+
+    @property
+    def kernel_rows(self) -> int:
+        """Up to how many rows x tokens a step's linears multiply with the small-row kernel (0: never)."""
         one_row_fp32 = self.rows == 1 and self.compiled and self.dtype == torch.float32
-        return decoding_session(self, 0 if one_row_fp32 else BATCH_KERNEL_ROWS)
+        return 0 if one_row_fp32 or not self.small_rows else BATCH_KERNEL_ROWS
 
     def close(self) -> None:
         """Free the compiled steps and buffers, and give the model back as it was (hooks, linears)."""
@@ -289,7 +280,7 @@ class StaticRunner:
             return self._step_forward
         if size not in self._steps:
             self.shapes.add((self.rows, self.capacity, size))
-            small = self.rows * size <= SMALL_GEMM_ROWS and not self.small_rows
+            small = self.rows * size <= SMALL_GEMM_ROWS and self.rows * size > self.kernel_rows
             # the buffers' guards are skipped (`unguarded`): new buffers come with new steps (reset)
             self._steps[size] = compile_step(self._step_forward, self.device, small_gemm=small,
                                              name=f"verify{self.rows}x{size}", unguarded=("self.cache",))
