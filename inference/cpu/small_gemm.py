@@ -40,10 +40,17 @@ _int8_active = False
 # rows still decoding, the leading ones), giving zeros for the others. One tensor, filled in place: every call of
 # the kernel passes it, so a compiled step reads its value at each call (no new graph per value)
 _live = torch.tensor(2**62)
-# the modules turned into SmallRowLinear / Int8CopyLinear, with their own class, and how many users (runners,
-# drafters) each model has: the last one to release it gets its plain linears back (release_kernels)
+# the linears turned into SmallRowLinear / Int8CopyLinear, with their own class, and how many users (runners,
+# drafters) hold each of them for each kind ("rows", "int8"); a linear may belong to several models (a pruned head
+# shares its layer with the head): it is itself again once no user of either kind holds it (release_kernels)
 _own_class: "weakref.WeakKeyDictionary[nn.Module, type]" = weakref.WeakKeyDictionary()
-_users: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+_holds: "weakref.WeakKeyDictionary[nn.Module, dict[str, int]]" = weakref.WeakKeyDictionary()
+
+
+def _hold(modules: list[nn.Module], kind: str) -> None:
+    for module in modules:
+        counts = _holds.setdefault(module, {})
+        counts[kind] = counts.get(kind, 0) + 1
 
 
 def eligible(module: nn.Module, float32: bool = False) -> bool:
@@ -210,7 +217,7 @@ def use_int8_weights(model: nn.Module) -> int:
             module.register_buffer("int8_weight", weights[column // per_row: end // per_row], persistent=False)
             module.register_buffer("int8_columns", columns[:, column: end], persistent=False)
             column = end
-    _users[model] = _users.get(model, 0) + 1
+    _hold(linears, "int8")
     return len(linears)
 
 
@@ -238,22 +245,21 @@ def use_small_row_kernel(model: nn.Module, float32: bool = False) -> int:
                 if name not in module._buffers:  # no int8 copy (yet)
                     module.register_buffer(name, None, persistent=False)
             start += blocks
-    _users[model] = _users.get(model, 0) + 1
+    _hold(linears, "rows")
     return len(linears)
 
 
-def release_kernels(model: nn.Module) -> None:
-    """One user of use_small_row_kernel / use_int8_weights on `model` is done; after the last one, every linear they
-    converted is its own class again, without the packed and int8 copies (the model as it was handed to us)."""
-    if model not in _users:
-        return
-    _users[model] -= 1
-    if _users[model] > 0:
-        return
-    del _users[model]
+def release_kernels(model: nn.Module, kind: str = "rows") -> None:
+    """One user of use_small_row_kernel ("rows") or use_int8_weights ("int8") on `model` is done; a linear no user
+    holds any more is its own class again, without the packed and int8 copies (as it was handed to us)."""
     for module in model.modules():
-        if module in _own_class:
-            module.__class__ = _own_class.pop(module)
+        counts = _holds.get(module)
+        if not counts or not counts.get(kind):
+            continue
+        counts[kind] -= 1
+        if not any(counts.values()):
+            del _holds[module]
+            module.__class__ = _own_class.pop(module, type(module))
             for name in ("packed", "int8_weight", "int8_columns"):
                 module._buffers.pop(name, None)
 

@@ -69,7 +69,7 @@ class StreamingSelfDrafter:
                              "multiple of 32, in_features of 16)")
         self.model = model
         # the int8 copies go with the drafter, or on close()
-        self.close = weakref.finalize(self, release_kernels, model) if self.int8 else (lambda: None)
+        self.close = weakref.finalize(self, release_kernels, model, "int8") if self.int8 else (lambda: None)
         self.cache_argument = cache_argument(model)
         lm_head = model.get_output_embeddings()
         self.vocab_size = lm_head.weight.shape[0]  # the target's
