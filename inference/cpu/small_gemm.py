@@ -111,10 +111,11 @@ class SmallRowLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _int8_active and self.int8_weight is not None:
             return int8_linear(x, self.int8_weight, self.int8_columns, self.bias)
-        if _row_limit and x.dtype == self.packed.dtype and x.numel() <= _row_limit * x.shape[-1]:
+        packed = self.packed
+        if _row_limit and packed is not None and x.dtype == packed.dtype and x.numel() <= _row_limit * x.shape[-1]:
             if x.dtype == torch.bfloat16:
-                return torch.ops.drafthead_kernels.small_linear(x, self.packed, self.bias, _live)
-            return torch.ops.drafthead_avx2.small_linear(x, self.packed, self.bias, _live)
+                return torch.ops.drafthead_kernels.small_linear(x, packed, self.bias, _live)
+            return torch.ops.drafthead_avx2.small_linear(x, packed, self.bias, _live)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -133,7 +134,7 @@ class Int8CopyLinear(nn.Linear):
     int8_columns: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _int8_active:
+        if _int8_active and self.int8_weight is not None:
             return int8_linear(x, self.int8_weight, self.int8_columns, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -212,7 +213,7 @@ def use_int8_weights(model: nn.Module) -> int:
         for module in group:
             end = column + module.out_features
             if not isinstance(module, SmallRowLinear):
-                _own_class.setdefault(module, type(module))
+                _own_class.setdefault(module, nn.Linear if isinstance(module, Int8CopyLinear) else type(module))
                 module.__class__ = Int8CopyLinear
             module.register_buffer("int8_weight", weights[column // per_row: end // per_row], persistent=False)
             module.register_buffer("int8_columns", columns[:, column: end], persistent=False)
@@ -232,13 +233,14 @@ def use_small_row_kernel(model: nn.Module, float32: bool = False) -> int:
     linears = [m for m in model.modules() if isinstance(m, SmallRowLinear) or eligible(m, float32)]
     if not linears:
         return 0
-    for group in _sibling_groups(model, [m for m in linears if not isinstance(m, SmallRowLinear)]):
+    for group in _sibling_groups(model, [m for m in linears if getattr(m, "packed", None) is None]):
         kernels, block = _kernels(group[0].weight.dtype)
         packed = torch.cat([kernels.pack_weight(m.weight.detach()) for m in group])
         start = 0
         for module in group:
             blocks = module.out_features // block
-            _own_class.setdefault(module, type(module))
+            _own_class.setdefault(module, nn.Linear if isinstance(module, (SmallRowLinear, Int8CopyLinear))
+                                  else type(module))
             module.__class__ = SmallRowLinear
             module.register_buffer("packed", packed[start: start + blocks], persistent=False)
             for name in ("int8_weight", "int8_columns"):
@@ -259,9 +261,12 @@ def release_kernels(model: nn.Module, kind: str = "rows") -> None:
         counts[kind] -= 1
         if not any(counts.values()):
             del _holds[module]
-            module.__class__ = _own_class.pop(module, type(module))
+            # the class first, then the copies emptied in place (no key removed): this may run from the garbage
+            # collector in the middle of someone's iteration over the module (a deepcopy, a state_dict)
+            module.__class__ = _own_class.pop(module, nn.Linear)
             for name in ("packed", "int8_weight", "int8_columns"):
-                module._buffers.pop(name, None)
+                if name in module._buffers:
+                    module._buffers[name] = None
 
 
 def _attribute(module: nn.Module, target: str) -> torch.Tensor:
