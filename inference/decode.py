@@ -66,7 +66,7 @@ def decode(runner, drafter: Drafter, input_ids: torch.Tensor, attention_mask: to
     busy = False  # whether the last step had every row of the batch decoding
     stoppers = list(stoppers)
     rows = list(range(input_ids.shape[0]))  # the request each row of the batch decodes
-    done = [False] * len(rows)  # finished rows still in the batch (verified, never committed)
+    done = [False] * len(rows)  # rows whose request has stopped: they leave (or take a request) before the next step
     new: list[list[int]] = [[] for _ in rows]
     stats.rows_steps = [0] * len(rows)
 
@@ -116,8 +116,7 @@ def decode(runner, drafter: Drafter, input_ids: torch.Tensor, attention_mask: to
             rows, roots, done = [rows[k] for k in alive], roots[index], [False] * len(alive)
         busy = len(rows) == input_ids.shape[0]  # (no finished row is left in the batch by now)
         t0 = time.perf_counter()
-        live = [rows[k] for k in range(len(rows)) if not done[k]] if switch is not None else None  # their requests
-        speculate = switch is None or switch.speculate(live)
+        speculate = switch is None or switch.speculate(rows)
         if speculate:
             tree = drafter.propose(roots, params, generator)
         else:
@@ -126,23 +125,21 @@ def decode(runner, drafter: Drafter, input_ids: torch.Tensor, attention_mask: to
         sync()
         t1 = time.perf_counter()
         logits, features, greedy = runner.verify(tree.tokens, tree.depths, tree.ancestors)
-        going = [not d for d in done]
         if params.do_sample:
-            accepted = verify_sampling_rows(target_probs(logits, params), tree, going, generator)
+            accepted = verify_sampling_rows(target_probs(logits, params), tree, generator)
         else:
-            accepted = verify_greedy(tree, greedy, going)
+            accepted = verify_greedy(tree, greedy)
         runner.commit(accepted)
         drafter.accept(accepted, features)
         batches = accepted.host_tokens
-        last = accepted.tokens.gather(1, (accepted.counts - 1).clamp_min(0)[:, None])[:, 0]
-        roots = torch.where(accepted.counts > 0, last, roots)
-        stats.count(tree, accepted, drafter.origin_names, going)
-        for row, d in zip(rows, done):
-            stats.rows_steps[row] += not d
+        roots = accepted.tokens.gather(1, accepted.counts[:, None] - 1)[:, 0]  # each row's bonus token
+        stats.count(tree, accepted, drafter.origin_names)
+        for row in rows:
+            stats.rows_steps[row] += 1
         stats.draft_time_s += t1 - t0
         stats.verify_time_s += time.perf_counter() - t1
         if switch is not None:
-            switch.record(speculate, live, time.perf_counter() - t0, [len(b) for b, d in zip(batches, done) if not d])
+            switch.record(speculate, rows, time.perf_counter() - t0, [len(b) for b in batches])
             stats.plain_steps += not speculate
     if streamer is not None:
         streamer.end()

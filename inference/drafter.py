@@ -50,6 +50,15 @@ class Accepted:
     host_paths: list[list[int]]
     host_tokens: list[list[int]]
 
+    @staticmethod
+    def from_host(paths: list[list[int]], tokens: list[list[int]], width: int, device: torch.device) -> "Accepted":
+        """From each row's host lists, padded with -1 to `width` columns on the device."""
+        def padded(rows: list[list[int]]) -> torch.Tensor:
+            return torch.tensor([row + [-1] * (width - len(row)) for row in rows], dtype=torch.long).to(device)
+
+        return Accepted(padded(paths), padded(tokens), torch.tensor([len(p) for p in paths]).to(device), paths,
+                        tokens)
+
 
 @runtime_checkable
 class Drafter(Protocol):

@@ -38,17 +38,15 @@ class GenerationStats:
     plain_steps: int = 0  # with speculate="auto": steps that verified every row's root alone
     total_time_s: float = 0.0
 
-    def count(self, tree: DraftTree, accepted: Accepted, origin_names: tuple[str, ...], live: list[bool]) -> None:
-        """Record one verification: each live row's accepted length and, when the tree names its drafters, who
-        proposed what."""
+    def count(self, tree: DraftTree, accepted: Accepted, origin_names: tuple[str, ...]) -> None:
+        """Record one verification: each row's accepted length and, when the tree names its drafters, who proposed
+        what."""
         self.target_forwards += 1
-        self.accept_lengths += [len(p) for p, alive in zip(accepted.host_paths, live) if alive]
+        self.accept_lengths += [len(p) for p in accepted.host_paths]
         if tree.origin is None:
             return
         origin = tree.origin.tolist()  # a few dozen ints a row, counted on the host
-        for row, path, alive in zip(origin, accepted.host_paths, live):
-            if not alive:
-                continue
+        for row, path in zip(origin, accepted.host_paths):
             taken = [row[i] for i in path[1:]]
             for bit, name in enumerate(origin_names):
                 self.drafted_by[name] = self.drafted_by.get(name, 0) + sum(o >> bit & 1 for o in row[1:])

@@ -26,8 +26,8 @@ from .drafter import Accepted
 from .tree import DraftTree
 
 
-def verify_greedy(tree: DraftTree, greedy: torch.Tensor, live: list[bool]) -> Accepted:
-    """greedy (B, n): the target's argmax at every node; live: rows still decoding (the others get count 0)."""
+def verify_greedy(tree: DraftTree, greedy: torch.Tensor) -> Accepted:
+    """greedy (B, n): the target's argmax at every node."""
     b, n = tree.tokens.shape
     device = greedy.device
     tokens = tree.tokens
@@ -37,36 +37,23 @@ def verify_greedy(tree: DraftTree, greedy: torch.Tensor, live: list[bool]) -> Ac
     best = torch.where(path_ok, tree.depths, -1).argmax(dim=1)  # (B,)
     rows = torch.arange(b, device=device)
     on_path = tree.ancestors[rows, best]  # (B, n)
-    alive = torch.tensor(live, device=device)
-    counts = on_path.sum(dim=1) * alive
+    counts = on_path.sum(dim=1)
     column = torch.arange(n, device=device)
     paths = torch.where(on_path, column, n).sort(dim=1).values  # the path's nodes first, in index (= depth) order
     paths = torch.where(column < counts[:, None], paths, -1)
     following = tokens.gather(1, torch.cat([paths[:, 1:], paths[:, :1]], dim=1).clamp_min(0))
     emitted = torch.where(column < counts[:, None] - 1, following, greedy[rows, best][:, None])
-    emitted = torch.where(column < counts[:, None], emitted, -1)
+    emitted = torch.where(paths >= 0, emitted, -1)
     host = torch.cat([counts[:, None], paths, emitted], dim=1).tolist()  # the step's one transfer to the host
     return Accepted(paths, emitted, counts,
                     [row[1: 1 + row[0]] for row in host], [row[1 + n: 1 + n + row[0]] for row in host])
 
 
-def verify_sampling_rows(probs: torch.Tensor, tree: DraftTree, live: list[bool],
+def verify_sampling_rows(probs: torch.Tensor, tree: DraftTree,
                          generator: torch.Generator | None = None) -> Accepted:
-    """probs (B, n, V): processed target probabilities at every node; each live row walks its own tree (host)."""
-    b, n = tree.tokens.shape
-    device = tree.tokens.device
-    host_paths, host_tokens = [], []
-    for k in range(b):
-        path, tokens = verify_sampling(probs[k], tree.row(k), generator) if live[k] else ([], [])
-        host_paths.append(path)
-        host_tokens.append(tokens)
-    paths = torch.full((b, n), -1, dtype=torch.long)
-    emitted = torch.full((b, n), -1, dtype=torch.long)
-    for k, (path, tokens) in enumerate(zip(host_paths, host_tokens)):
-        paths[k, : len(path)] = torch.tensor(path, dtype=torch.long)
-        emitted[k, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-    counts = torch.tensor([len(p) for p in host_paths])
-    return Accepted(paths.to(device), emitted.to(device), counts.to(device), host_paths, host_tokens)
+    """probs (B, n, V): processed target probabilities at every node; each row walks its own tree (host)."""
+    paths, tokens = zip(*(verify_sampling(probs[k], tree.row(k), generator) for k in range(tree.tokens.shape[0])))
+    return Accepted.from_host(list(paths), list(tokens), tree.size, tree.tokens.device)
 
 
 def children_lists(tree: DraftTree) -> list[list[int]]:

@@ -66,8 +66,8 @@ def instrument(generator: SpeculativeGenerator, repeat_draft: bool = False) -> P
     for name in ("prefill", "verify", "commit"):
         timer.wrap(runner, name, name)
     timer.wrap(drafter, "propose", "draft")
-    if hasattr(drafter, "_draft"):  # a head's tree expansion, after it fed the accepted pairs (drafters/eagle.py)
-        timer.wrap(drafter, "_draft", "draft_step", again="draft_step_again" if repeat_draft else None)
+    if hasattr(drafter, "_expand"):  # a head's tree expansion, after it fed the accepted pairs (drafters/eagle.py)
+        timer.wrap(drafter, "_expand", "draft_step", again="draft_step_again" if repeat_draft else None)
     return timer
 
 

@@ -25,9 +25,7 @@ def chain(tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def keep(path: list[int], n: int) -> Accepted:
     """One row's accepted tree indices, as the loop hands them to runner.commit."""
-    paths = torch.full((1, n), -1)
-    paths[0, : len(path)] = torch.tensor(path, dtype=torch.long)
-    return Accepted(paths, paths, torch.tensor([len(path)]), [path], [])
+    return Accepted.from_host([path], [path], n, torch.device("cpu"))
 
 
 def test_verify_and_commit_match_the_eager_runner():

@@ -292,22 +292,13 @@ inline void store_row(const float* raw, int64_t dim, float scale, uint16_t* dst)
 torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                                     const torch::Tensor& mask, double scaling, const torch::Tensor& length,
                                     const torch::Tensor& rows) {
-  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && mask.dim() == 4,
-              "prefix_attention_bf16: 4-D query, key, value and mask expected");
+  check_prefix_attention("prefix_attention_bf16", query, key, value, mask, kMaxQueries);
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
-                  value.scalar_type() == at::kBFloat16,
-              "prefix_attention_bf16: bf16 query, key and value expected");
-  TORCH_CHECK(key.is_contiguous() && value.is_contiguous(), "prefix_attention_bf16: contiguous key/value buffers");
+                  value.scalar_type() == at::kBFloat16 &&
+                  (mask.scalar_type() == at::kBFloat16 || mask.scalar_type() == at::kFloat),
+              "prefix_attention_bf16: bf16 query, key and value and a bf16 or float mask expected");
   const int64_t batch = query.size(0), heads = query.size(1), n = query.size(2), dim = query.size(3);
   const int64_t kv_heads = key.size(1), slots = key.size(2);
-  TORCH_CHECK(n <= kMaxQueries, "prefix_attention_bf16: at most ", kMaxQueries, " queries, got ", n);
-  TORCH_CHECK(dim == 32 || dim == 64 || dim == 128, "prefix_attention_bf16: head_dim 32, 64 or 128, got ", dim);
-  TORCH_CHECK(heads % kv_heads == 0 && key.size(3) == dim && value.sizes() == key.sizes() && key.size(0) == batch,
-              "prefix_attention_bf16: shapes do not match: query ", query.sizes(), " key ", key.sizes());
-  TORCH_CHECK(mask.size(2) == n && mask.size(3) >= slots && (mask.size(0) == batch || mask.size(0) == 1),
-              "prefix_attention_bf16: mask ", mask.sizes(), " for query ", query.sizes(), " and ", slots, " slots");
-  TORCH_CHECK(mask.scalar_type() == at::kBFloat16 || mask.scalar_type() == at::kFloat,
-              "prefix_attention_bf16: bf16 or float mask expected");
   const int64_t used = std::min<int64_t>(length.item<int64_t>(), slots);
   const int64_t alive = std::min<int64_t>(rows.item<int64_t>(), batch);
   const int64_t groups = heads / kv_heads, pairs = dim / 2;
@@ -330,12 +321,7 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
 
   // spans of one (row, KV head) leave their running max, sum and raw sums here, combined after
   const int64_t pieces = alive * kv_heads * spans;
-  std::vector<float> span_max, span_sum, span_acc;
-  if (spans > 1) {
-    span_max.resize(static_cast<size_t>(pieces * lanes_pad));
-    span_sum.resize(static_cast<size_t>(pieces * lanes_pad));
-    span_acc.resize(static_cast<size_t>(pieces * lanes_pad * dim));
-  }
+  SpanResults results(alive, kv_heads, lanes_total, lanes_pad, spans, dim, n, heads, groups);
   // few pieces (one short row, many queries): the lane sets become tasks of their own, each reading the keys
   // (then in cache) again, so that both threads have work; a lane's arithmetic is the same either way
   const int64_t set_tasks = pieces < 4 * at::get_num_threads() ? lane_sets : 1;
@@ -590,15 +576,11 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
         }
       }
 
-      finish_lanes(lane0, lane1, piece, b, kvh, spans, lanes_pad, dim, n, heads, groups, run_max, run_sum, acc, span_max,
-                   span_sum, span_acc, o, store_row);
+      results.finish(lane0, lane1, piece, b, kvh, run_max, run_sum, acc, o, store_row);
     }
   });
 
-  if (spans > 1) {  // combine the spans of each (row, KV head, lane), in span order
-    combine_spans(alive, kv_heads, lanes_total, lanes_pad, spans, dim, n, heads, groups, span_max, span_sum, span_acc, o,
-                  store_row);
-  }
+  results.combine(alive, o, store_row);
   return out;
 }
 

@@ -154,20 +154,12 @@ inline void store_row(const float* raw, int64_t dim, float scale, float* dst) {
 torch::Tensor prefix_attention_float(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                                      const torch::Tensor& mask, double scaling, const torch::Tensor& length,
                                      const torch::Tensor& rows) {
-  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && mask.dim() == 4,
-              "prefix_attention_float: 4-D query, key, value and mask expected");
+  check_prefix_attention("prefix_attention_float", query, key, value, mask, kMaxQueries);
   TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat &&
                   value.scalar_type() == at::kFloat && mask.scalar_type() == at::kFloat,
               "prefix_attention_float: float32 query, key, value and mask expected");
-  TORCH_CHECK(key.is_contiguous() && value.is_contiguous(), "prefix_attention_float: contiguous key/value buffers");
   const int64_t batch = query.size(0), heads = query.size(1), n = query.size(2), dim = query.size(3);
   const int64_t kv_heads = key.size(1), slots = key.size(2);
-  TORCH_CHECK(n <= kMaxQueries, "prefix_attention_float: at most ", kMaxQueries, " queries, got ", n);
-  TORCH_CHECK(dim == 32 || dim == 64 || dim == 128, "prefix_attention_float: head_dim 32, 64 or 128, got ", dim);
-  TORCH_CHECK(heads % kv_heads == 0 && key.size(3) == dim && value.sizes() == key.sizes() && key.size(0) == batch,
-              "prefix_attention_float: shapes do not match: query ", query.sizes(), " key ", key.sizes());
-  TORCH_CHECK(mask.size(2) == n && mask.size(3) >= slots && (mask.size(0) == batch || mask.size(0) == 1),
-              "prefix_attention_float: mask ", mask.sizes(), " for query ", query.sizes(), " and ", slots, " slots");
   const int64_t used = std::min<int64_t>(length.item<int64_t>(), slots);
   const int64_t alive = std::min<int64_t>(rows.item<int64_t>(), batch);
   const int64_t groups = heads / kv_heads, lanes = groups * n;
@@ -186,12 +178,7 @@ torch::Tensor prefix_attention_float(const torch::Tensor& query, const torch::Te
 
   // spans of one (row, KV head) leave their running max, sum and raw sums here, combined after
   const int64_t pieces = alive * kv_heads * spans;
-  std::vector<float> span_max, span_sum, span_acc;
-  if (spans > 1) {
-    span_max.resize(static_cast<size_t>(pieces * lanes));
-    span_sum.resize(static_cast<size_t>(pieces * lanes));
-    span_acc.resize(static_cast<size_t>(pieces * lanes * dim));
-  }
+  SpanResults results(alive, kv_heads, lanes, lanes, spans, dim, n, heads, groups);
   const Kernels kernels = dim == 32 ? kernels_for<32>() : dim == 64 ? kernels_for<64>() : kernels_for<128>();
 
   at::parallel_for(0, pieces, 1, [&](int64_t first, int64_t last) {
@@ -296,15 +283,11 @@ torch::Tensor prefix_attention_float(const torch::Tensor& query, const torch::Te
         kernels.weigh(probs, static_cast<int>(lanes), values + c0 * dim, count, acc);
       }
 
-      finish_lanes(0, lanes, piece, b, kvh, spans, lanes, dim, n, heads, groups, run_max, run_sum, acc, span_max,
-                   span_sum, span_acc, o, store_row);
+      results.finish(0, lanes, piece, b, kvh, run_max, run_sum, acc, o, store_row);
     }
   });
 
-  if (spans > 1) {  // combine the spans of each (row, KV head, lane), in span order
-    combine_spans(alive, kv_heads, lanes, lanes, spans, dim, n, heads, groups, span_max, span_sum, span_acc, o,
-                  store_row);
-  }
+  results.combine(alive, o, store_row);
   return out;
 }
 

@@ -1,63 +1,98 @@
-// The last pass of the prefix-attention kernels over a long context: each (row, KV head, lane) was computed span by
-// span (a task per span of keys, so that the threads share one long row); the spans' partial results (running max,
-// running sum, unnormalised weighted values) are combined here in span order, as one softmax over every key.
+// What the two prefix-attention kernels (bf16 and float32) share outside their arithmetic: the checks of their
+// arguments, and the last pass over a long context, whose (row, KV head, lane) results were computed span by span
+// (a task per span of keys, so that the threads share one long row) and are combined here in span order, as one
+// softmax over every key.
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
-// span_max / span_sum (rows * kv_heads * spans, lanes_pad), span_acc (..., dim): the spans' partial results; lane
-// `flat` of (row b, KV head kvh) is query flat % n of head kvh * groups + flat / n. store(raw, dim, scale, dst)
-// writes one output row (the kernel's dtype).
-template <typename Out, typename Store>
-void combine_spans(int64_t alive, int64_t kv_heads, int64_t lanes, int64_t lanes_pad, int64_t spans, int64_t dim,
-                   int64_t n, int64_t heads, int64_t groups, const std::vector<float>& span_max,
-                   const std::vector<float>& span_sum, const std::vector<float>& span_acc, Out* o, Store store) {
-  at::parallel_for(0, alive * kv_heads * lanes, 1, [&](int64_t first, int64_t last) {
-    alignas(64) float sums[128];
-    for (int64_t item = first; item < last; ++item) {
-      const int64_t bh = item / lanes, flat = item % lanes;
-      const int64_t b = bh / kv_heads, kvh = bh % kv_heads;
-      float best = -INFINITY;
-      for (int64_t s = 0; s < spans; ++s) best = std::max(best, span_max[(bh * spans + s) * lanes_pad + flat]);
-      float total = 0.0f;
-      for (int64_t c = 0; c < dim; ++c) sums[c] = 0.0f;
-      for (int64_t s = 0; s < spans; ++s) {
-        const int64_t at = (bh * spans + s) * lanes_pad + flat;
-        const float m = span_max[at];
-        const float w = m == -INFINITY ? 0.0f : std::exp(m - best);
-        if (w == 0.0f) continue;
-        total += w * span_sum[at];
-        const float* part = span_acc.data() + at * dim;
-        for (int64_t c = 0; c < dim; ++c) sums[c] += w * part[c];
-      }
-      store(sums, dim, 1.0f / total, o + ((b * n + flat % n) * heads + kvh * groups + flat / n) * dim);
-    }
-  });
+// query (B, H, n, D), key/value (B, KVH, S, D) contiguous, mask (B or 1, 1, n, >= S): shapes only (each kernel
+// checks its dtypes)
+inline void check_prefix_attention(const char* name, const torch::Tensor& query, const torch::Tensor& key,
+                                   const torch::Tensor& value, const torch::Tensor& mask, int64_t max_queries) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && mask.dim() == 4, name,
+              ": 4-D query, key, value and mask expected");
+  TORCH_CHECK(key.is_contiguous() && value.is_contiguous(), name, ": contiguous key/value buffers");
+  const int64_t batch = query.size(0), heads = query.size(1), n = query.size(2), dim = query.size(3);
+  const int64_t slots = key.size(2);
+  TORCH_CHECK(n <= max_queries, name, ": at most ", max_queries, " queries, got ", n);
+  TORCH_CHECK(dim == 32 || dim == 64 || dim == 128, name, ": head_dim 32, 64 or 128, got ", dim);
+  TORCH_CHECK(heads % key.size(1) == 0 && key.size(3) == dim && value.sizes() == key.sizes() && key.size(0) == batch,
+              name, ": shapes do not match: query ", query.sizes(), " key ", key.sizes());
+  TORCH_CHECK(mask.size(2) == n && mask.size(3) >= slots && (mask.size(0) == batch || mask.size(0) == 1), name,
+              ": mask ", mask.sizes(), " for query ", query.sizes(), " and ", slots, " slots");
 }
 
-// Lanes [lane0, lane1) of one task (row b, KV head kvh, span `piece`) are done: with one span their output rows,
-// else their partial results (run_max, run_sum, acc rows of dim floats) wait for combine_spans.
-template <typename Out, typename Store>
-void finish_lanes(int64_t lane0, int64_t lane1, int64_t piece, int64_t b, int64_t kvh, int64_t spans,
-                  int64_t lanes_pad, int64_t dim, int64_t n, int64_t heads, int64_t groups, const float* run_max,
-                  const float* run_sum, const float* acc, std::vector<float>& span_max, std::vector<float>& span_sum,
-                  std::vector<float>& span_acc, Out* o, Store store) {
-  for (int64_t lane = lane0; lane < lane1; ++lane) {
-    if (spans == 1) {
-      store(acc + lane * dim, dim, 1.0f / run_sum[lane],
-            o + ((b * n + lane % n) * heads + kvh * groups + lane / n) * dim);
-    } else {
-      span_max[piece * lanes_pad + lane] = run_max[lane];
-      span_sum[piece * lanes_pad + lane] = run_sum[lane];
-      std::copy(acc + lane * dim, acc + (lane + 1) * dim, span_acc.data() + (piece * lanes_pad + lane) * dim);
+// The partial results of every (row, KV head, span): each lane's running max and sum and its unnormalised weighted
+// values (dim floats). Lane `lane` of (row b, KV head kvh) is query lane % n of head kvh * groups + lane / n; lanes
+// are laid out `lanes_pad` apart. With one span nothing is kept: finish() writes the output rows at once.
+struct SpanResults {
+  int64_t kv_heads, lanes, lanes_pad, spans, dim, n, heads, groups;
+  std::vector<float> max, sum, acc;
+
+  SpanResults(int64_t alive, int64_t kv_heads, int64_t lanes, int64_t lanes_pad, int64_t spans, int64_t dim,
+              int64_t n, int64_t heads, int64_t groups)
+      : kv_heads(kv_heads), lanes(lanes), lanes_pad(lanes_pad), spans(spans), dim(dim), n(n), heads(heads),
+        groups(groups) {
+    if (spans > 1) {
+      const size_t pieces = static_cast<size_t>(alive * kv_heads * spans * lanes_pad);
+      max.resize(pieces);
+      sum.resize(pieces);
+      acc.resize(pieces * static_cast<size_t>(dim));
     }
   }
-}
+
+  int64_t output_row(int64_t b, int64_t kvh, int64_t lane) const {
+    return ((b * n + lane % n) * heads + kvh * groups + lane / n) * dim;
+  }
+
+  // lanes [lane0, lane1) of task `piece` (row b, KV head kvh, one span) are done: run_max, run_sum per lane and
+  // acc_rows (dim floats a lane); store(raw, dim, scale, dst) writes one output row in the kernel's dtype
+  template <typename Out, typename Store>
+  void finish(int64_t lane0, int64_t lane1, int64_t piece, int64_t b, int64_t kvh, const float* run_max,
+              const float* run_sum, const float* acc_rows, Out* o, Store store) {
+    for (int64_t lane = lane0; lane < lane1; ++lane) {
+      if (spans == 1) {
+        store(acc_rows + lane * dim, dim, 1.0f / run_sum[lane], o + output_row(b, kvh, lane));
+      } else {
+        max[piece * lanes_pad + lane] = run_max[lane];
+        sum[piece * lanes_pad + lane] = run_sum[lane];
+        std::copy(acc_rows + lane * dim, acc_rows + (lane + 1) * dim, acc.data() + (piece * lanes_pad + lane) * dim);
+      }
+    }
+  }
+
+  // with several spans: each (row, KV head, lane) of the `alive` rows combined over its spans, in span order
+  template <typename Out, typename Store>
+  void combine(int64_t alive, Out* o, Store store) const {
+    if (spans == 1) return;
+    at::parallel_for(0, alive * kv_heads * lanes, 1, [&](int64_t first, int64_t last) {
+      alignas(64) float sums[128];
+      for (int64_t item = first; item < last; ++item) {
+        const int64_t bh = item / lanes, lane = item % lanes;
+        float best = -INFINITY;
+        for (int64_t s = 0; s < spans; ++s) best = std::max(best, max[(bh * spans + s) * lanes_pad + lane]);
+        float total = 0.0f;
+        for (int64_t c = 0; c < dim; ++c) sums[c] = 0.0f;
+        for (int64_t s = 0; s < spans; ++s) {
+          const int64_t at = (bh * spans + s) * lanes_pad + lane;
+          const float w = max[at] == -INFINITY ? 0.0f : std::exp(max[at] - best);
+          if (w == 0.0f) continue;
+          total += w * sum[at];
+          const float* part = acc.data() + at * dim;
+          for (int64_t c = 0; c < dim; ++c) sums[c] += w * part[c];
+        }
+        store(sums, dim, 1.0f / total, o + output_row(bh / kv_heads, bh % kv_heads, lane));
+      }
+    });
+  }
+};
 
 // The op's schema, the same for both kernel libraries (the bf16 one and the float32 one).
 #define DRAFTHEAD_PREFIX_ATTENTION_OP(library, function)                                                            \

@@ -93,10 +93,11 @@ class DraftModelDrafter:
         self.device = next(model.parameters()).device
         self.pending: list[list[int]] = []  # each row's accepted tokens not yet in the draft's cache
         self.after_root: torch.Tensor | None = None  # (B,) each row's cache length right after its root was fed
+        self._prefill_runner = None  # continuous batching: prefills an admitted prompt alone (admit)
 
     def close(self) -> None:
         """Give the draft model back as it was (its runners' hooks and linears)."""
-        for runner in (self.runner, getattr(self, "_prefill_runner", None)):
+        for runner in (self.runner, self._prefill_runner):
             if runner is not None:
                 runner.close()
 
@@ -119,11 +120,9 @@ class DraftModelDrafter:
         b = len(rows)
         logits, _, _ = self.runner.verify(tokens, line.expand(b, m),
                                           torch.ones(m, m, dtype=torch.bool, device=self.device).tril().expand(b, m, m))
-        paths = torch.where(line[None, :] < torch.tensor(counts, device=self.device)[:, None], line, -1)
-        self.runner.commit(Accepted(paths, paths, torch.tensor(counts, device=self.device),
-                                    [list(range(c)) for c in counts], []))
-        last = torch.tensor(counts, device=self.device) - 1
-        return logits[torch.arange(b, device=self.device), last]
+        kept = [list(range(c)) for c in counts]  # each row's tokens, a chain: all of them stay
+        self.runner.commit(Accepted.from_host(kept, kept, m, self.device))
+        return logits[torch.arange(b, device=self.device), torch.tensor(counts, device=self.device) - 1]
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
         """The next draft token of every row (B,) and the distribution it was drawn from (B, V) (greedy: None)."""
@@ -172,7 +171,7 @@ class DraftModelDrafter:
     @torch.inference_mode()
     def admit(self, row: int, runner, ids: torch.Tensor, features) -> None:
         """Row `row` holds a new prompt: the draft model prefills it alone and its KV joins the draft's buffers."""
-        if not hasattr(self, "_prefill_runner"):
+        if self._prefill_runner is None:
             self._prefill_runner = make_runner(self.model, [], "static")
         self._prefill_runner.reset(1, ids.shape[0])
         self._prefill_runner.prefill(ids.view(1, -1))

@@ -155,7 +155,7 @@ class HeadDrafter:
         """Feed each row's pending pairs (the last one's token is its root), then draft the rows' trees."""
         with self._drafting():
             last, scores, tokens = self._feed(roots)
-            return self._draft(roots, last, scores, tokens)
+            return DraftTree(*self._expand(roots, last, scores, tokens))
 
     @torch.inference_mode()
     def skip(self, roots: torch.Tensor) -> None:
@@ -247,10 +247,6 @@ class HeadDrafter:
             inside = ((at >= 0) & (at < out.shape[1]))[:, None, None]
             last = pick if last is None else torch.where(inside, pick, last)
         return last
-
-    def _draft(self, roots, last, scores, tokens) -> DraftTree:
-        """Each row's tree, expanded from depth 1 (the head's top-k at its root)."""
-        return DraftTree(*self._expand(roots, last, scores, tokens))
 
     def _expand_tree(self, roots, last, scores, tokens) -> tuple[torch.Tensor, ...]:
         """Expand every row's tree depth by depth (tree.expand_tree: one head forward per depth for the batch);

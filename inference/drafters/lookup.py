@@ -109,9 +109,8 @@ class LookupBranch:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.drafter = drafter
         self.tokens, self.nodes, self.max_ngram, self.min_ngram = tokens, nodes, max_ngram, min_ngram
-        self.alone = drafter.tree_size == 1  # prompt lookup on its own (beside plain decoding)
-        self.name = "prompt_lookup" if self.alone else f"{drafter.name}+lookup"
-        self.origin_names = ("prompt_lookup",) if self.alone else (*drafter.origin_names, "prompt_lookup")
+        self.name = "prompt_lookup" if drafter.tree_size == 1 else f"{drafter.name}+lookup"  # alone: beside plain
+        self.origin_names = (*drafter.origin_names, "prompt_lookup")
         self.tree_size = drafter.tree_size + nodes
         self.rows: list[NgramIndex] = []
 
@@ -165,16 +164,16 @@ class LookupBranch:
     def _merge(self, tree: DraftTree, chains: list[list[int]]) -> DraftTree:
         """`tree` with each row's chain hung from its root (shared nodes reused), the rows padded to the largest."""
         b, n = tree.tokens.shape
-        head, lookup = (1, 2) if not self.alone else (0, 1)  # origin bits
+        lookup = 1 << len(self.drafter.origin_names)  # origin bit; the drafter's own nodes carry bit 0
         tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
-        origin = tree.origin.tolist() if tree.origin is not None else [[0] + [head] * (n - 1) for _ in range(b)]
+        origin = tree.origin.tolist() if tree.origin is not None else [[0] + [1] * (n - 1) for _ in range(b)]
         for row_tokens, row_parents, row_depths, row_origin, chain in zip(tokens, parents, depths, origin, chains):
             path = hang_chain(row_tokens, row_parents, row_depths, chain, limit=n + self.nodes)
             row_origin += [0] * (len(row_tokens) - n)
             for node in path:
                 row_origin[node] |= lookup
         size = max(len(t) for t in tokens)
-        if size == n and self.alone:  # nothing drafted in any row
+        if size == 1:  # nothing drafted in any row: the roots alone
             return tree
         for row_tokens, row_parents, row_depths, row_origin in zip(tokens, parents, depths, origin):
             first = 1 if len(row_tokens) > 1 else 0  # padding: copies of the first drafted node (or of the root)

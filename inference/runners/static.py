@@ -341,13 +341,12 @@ class StaticRunner:
         keys = self.slot_ids
         prefix = (keys[None, :] >= self.start[:, None]) & (keys[None, :] < self.length[:, None])  # (B, capacity)
         allowed = prefix.unsqueeze(1).expand(b, size, self.capacity).clone()
+        allowed[:, :n, w: w + n] = ancestors
         if size > n:  # padded nodes: token 0 at the root's position, attending only to themselves
-            tokens = torch.cat([tokens, tokens.new_zeros(b, size - n)], dim=1)
-            depths = torch.cat([depths, depths.new_zeros(b, size - n)], dim=1)
-            grown = torch.eye(size, dtype=torch.bool, device=self.device).repeat(b, 1, 1)
-            grown[:, :n, :n] = ancestors
-            ancestors = grown
-        allowed[:, :, w: w + size] = ancestors
+            tokens = torch.nn.functional.pad(tokens, (0, size - n))
+            depths = torch.nn.functional.pad(depths, (0, size - n))
+            pad = torch.arange(n, size, device=self.device)
+            allowed[:, pad, w + pad] = True
         positions = self.positions[:, None] + depths
         if b < self.rows:  # rows that stopped: repeat the last row in use (their writes land in unused rows)
             pad = torch.arange(self.rows, device=self.device).clamp_max(b - 1)
