@@ -1,6 +1,6 @@
 """torch.compile for decoding steps, scoped: each runner compiles its own copy of a step's code, and the compiler
-settings it needs hold only while its steps run (compile_step), so a user's own torch.compile calls behave as if
-this package had never run."""
+settings the steps need hold only inside a runner's decoding session (scoped_settings, entered once a generation),
+so a user's own torch.compile calls behave as if this package had never run."""
 
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
     `dynamic`: one graph for every length of the step's inputs (a prompt chunk; no CUDA graph on CUDA).
     `unguarded`: attribute paths of `fn`'s self (e.g. "self.cache") whose guards are skipped: objects the caller
     never swaps while the step lives, or whose step it releases (release_step) when it does.
-    The compiler settings the step needs (recompile limits, freezing, concatenated linears) are set only while it
-    runs (scoped_settings): the process's own torch.compile calls see the settings they had."""
+    The compiler settings the step needs (recompile limits, freezing, concatenated linears) are scoped_settings,
+    which a runner's decoding session holds (static.decoding_session): run the step inside one."""
 
     # the model is frozen: skip re-checking its parameters on every call; safe because every runner compiles its
     # own copy of the code (own_code), so a graph only ever sees one model
@@ -63,8 +63,7 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
         graphed = torch.compile(fn, dynamic=False, options={**options, "triton.cudagraphs": True})
 
         def run(*args):  # a graph's outputs are overwritten by the next replay: keep copies
-            with scoped_settings(cpu):
-                return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in graphed(*args))
+            return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in graphed(*args))
 
         run.drafthead_code = fn.__func__.__code__
         return run
@@ -75,19 +74,15 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
         options["post_grad_custom_post_pass"] = FuseSiblingLinears()
         if small_gemm:
             options.update(max_autotune=True, max_autotune_gemm_backends="CPP", autotune_fallback_to_aten=True)
-    compiled = torch.compile(fn, dynamic=dynamic, options=options)
-
-    def step(*args):
-        with scoped_settings(cpu):
-            return compiled(*args)
-
+    step = torch.compile(fn, dynamic=dynamic, options=options)
     step.drafthead_code = fn.__func__.__code__
     return step
 
 
 @contextlib.contextmanager
 def scoped_settings(cpu: bool):
-    """The compiler settings a decoding step compiles and runs under, restored afterwards: room for one graph per
+    """The compiler settings decoding steps compile and run under, restored afterwards (~80 us to enter: once a
+    generation, not once a step): room for one graph per
     verify bucket and buffer size without falling back to eager; on CPU, weights prepacked for oneDNN (read from the
     global config: an `options` entry is not honoured) and one GEMM for linears that share an input."""
     import torch._dynamo

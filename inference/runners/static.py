@@ -42,7 +42,7 @@ from drafthead.utils import cache_argument
 from ..cpu.small_gemm import BATCH_KERNEL_ROWS, live_entries, release_kernels, small_row_kernel, use_small_row_kernel
 from ..drafter import Accepted
 from .attention import PREFILL_NAME, attention_implementation, decoding_attention, kv_length_kwargs
-from .compile import compile_step, release_step
+from .compile import compile_step, release_step, scoped_settings
 from .kv import buffer_capacity, keep_leading_rows, set_write_slot, static_cache, static_cache_supported
 
 DEFAULT_BUCKETS = (1, 4, 8, 12, 16, 32, 64)
@@ -83,9 +83,11 @@ def release_target(model: nn.Module, capture: HiddenStateCapture | None) -> None
 
 
 def decoding_session(runner, max_rows: int) -> contextlib.AbstractContextManager:
-    """A runner's decoding session: the model dispatches attention to the runner's kernel and (where the runner
-    uses it) multiplies steps of up to `max_rows` rows with the small-row GEMM kernel."""
+    """A runner's decoding session: the compiler settings of its compiled steps (and of its drafter's), the model
+    dispatching attention to the runner's kernel and (where the runner uses it) multiplying steps of up to
+    `max_rows` rows with the small-row GEMM kernel."""
     stack = contextlib.ExitStack()
+    stack.enter_context(scoped_settings(runner.device.type != "cuda"))
     stack.enter_context(attention_implementation(runner.model, runner.attention))
     if runner.small_rows and max_rows:
         stack.enter_context(small_row_kernel(max_rows))
