@@ -1,7 +1,7 @@
 """The decoding engine (library): SpeculativeGenerator, a drafter proposes trees, the target verifies them in one
 forward, repeat, for every row of a batch at once (batch 1 is B = 1). The command line around it is generate.py.
 
-    gen = SpeculativeGenerator.from_pretrained(target_path, head_path, device="cpu", dtype="bfloat16")
+    gen = SpeculativeGenerator.from_pretrained(target_path, head_path)  # tree="auto": tuned once per machine
     out = gen.generate(input_ids, max_new_tokens=128, temperature=0.0)
     out.sequences  # (B, prompt + new) ; out.stats.mean_accepted, out.stats.tokens_per_s, ...
 
@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import numbers
+import sys
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +30,8 @@ import torch.nn as nn
 
 from drafthead import DraftHead, check_compatible, load_head
 from drafthead.format import CONFIG_NAME, is_head_config
-from drafthead.hardware import resolve_dtype, synchronizer
-from drafthead.utils import parse_dtype, place_module
+from drafthead.hardware import auto_dtype, synchronizer
+from drafthead.utils import dtype_name, parse_dtype, place_module
 
 from .batch_queue import left_pad, prefilled_requests
 from .decode import decode
@@ -48,6 +50,11 @@ from .stats import GenerationStats
 from .stopping import Stopper
 from .switch import SpeculationSwitch
 from .tree import DraftTree, TreeOptions, tree_options
+
+# a one-row generation of at least this many tokens that decodes below SLOW_MARGIN x the tuning's plain rate warns
+SLOW_CHECK_TOKENS = 32
+SLOW_MARGIN = 0.95
+
 
 @dataclass
 class GenerationOutput:
@@ -68,7 +75,9 @@ class SpeculativeGenerator:
     up to `lookup_tokens` tokens, at most `lookup_nodes` of them new nodes a row), a StreamingSelfDrafter (hybrid
     adds the branch to its chains too), or any drafter.Drafter (prompt_lookup(), DraftModelDrafter, ...).
     tree="none" (draft ignored, may be None): plain greedy/sampled decoding on the same runner (the baseline that
-    separates what the runner buys from what speculation buys).
+    separates what the runner buys from what speculation buys). tree="auto" (a head): the tree tuned for this
+    target, head, machine and dtype (tuning/auto.py: measured once, a notice first, then cached on disk), and, when
+    hybrid is None, whether the prompt-lookup branch pays; it needs the tokenizer (without one, the "cpu" preset).
 
     speculate: "always", or "auto": speculate only on the steps where its measured cost pays and take plain steps
     on the others (switch.py); or a SpeculationSwitch of one's own. The output is the same either way.
@@ -76,15 +85,15 @@ class SpeculativeGenerator:
     runner: "static" (preallocated KV buffers, fixed-shape verify buckets; runners/static.py), "eager" (any HF
     causal LM, one row, DynamicCache; runners/eager.py) or "auto" (static where the architecture allows, else eager
     with a one-line message), or a runner object to share (the benchmark shares one among its methods). compile:
-    torch.compile the runner's verify steps (CUDA graphs on CUDA); "auto" compiles on CUDA only, because on CPU a
-    step's compile time pays only over long runs (the benchmark compiles; results/HISTORY.md). The
+    torch.compile the runner's verify steps (CUDA graphs on CUDA); "auto" compiles on CUDA only, because on CPU
+    every step shape compiles for minutes, paid back only over long runs (the benchmark compiles). The
     runner, its buffers and its compiled graphs live as long as the generator. profile=True waits for the device
     between drafting and verification, so that stats split their times on CUDA (CPU steps are synchronous).
     """
 
     def __init__(self, target: nn.Module, draft: DraftHead | Drafter | None, tokenizer: Any = None,
                  tree: str | TreeOptions | None = "cpu", runner: Any = "auto", compile: bool | str = "auto",
-                 hybrid: bool = False, lookup_tokens: int = 10, lookup_nodes: int | None = None,
+                 hybrid: bool | None = None, lookup_tokens: int = 10, lookup_nodes: int | None = None,
                  draft_kv: str = "full", sink: int = 4, window: int = 512,
                  speculate: str | SpeculationSwitch = "always", profile: bool = False, **tree_overrides: int | None):
         self.target = target.eval()
@@ -99,8 +108,14 @@ class SpeculativeGenerator:
         self.profile = profile
         self.head: DraftHead | None = None
         self.options: TreeOptions | None = None
+        self.tuned = None  # tree="auto": the tuning's choice and measured rates (tuning/auto.py)
+        self._warned_slow = False
         if draft_kv not in ("full", "streaming"):
             raise ValueError(f"draft_kv must be 'full' or 'streaming', got {draft_kv!r}")
+        if tree == "auto" and isinstance(draft, DraftHead):
+            tree, hybrid, lookup_tokens = self._tune(draft, hybrid, lookup_tokens)
+        elif tree == "auto":
+            tree = "cpu"  # the tree of a head only; other drafters take no tree
         if tree == "none":  # plain decoding, whatever the draft
             self.drafter, hybrid = PlainDrafter(), False
         elif isinstance(draft, DraftHead):
@@ -117,7 +132,7 @@ class SpeculativeGenerator:
                 raise ValueError(f"draft_kv='streaming' applies to a head or to 'self', not to {draft.name}")
         else:
             raise TypeError(f"draft must be a DraftHead, a Drafter or None, got {type(draft).__name__}")
-        if hybrid:
+        if hybrid:  # (None: off, unless tree="auto" chose the branch)
             if not isinstance(self.drafter, (HeadDrafter, StreamingSelfDrafter)):
                 raise ValueError("hybrid=True adds prompt lookup to a draft head or to 'self'; this draft is neither")
             self.drafter = LookupBranch(self.drafter, lookup_tokens, lookup_nodes)
@@ -131,6 +146,32 @@ class SpeculativeGenerator:
         else:
             raise ValueError(f"speculate must be 'always', 'auto' or a SpeculationSwitch, got {speculate!r}")
 
+    def _tune(self, head: DraftHead, hybrid: bool | None, lookup_tokens: int) -> tuple:
+        """tree="auto": (tree or "none", hybrid, lookup_tokens) as tuned (or cached) for this machine on the runner
+        this generator then keeps; without a tokenizer (no prompts to tune on), the "cpu" preset."""
+        from .tuning.auto import tuned_tree  # (the tuner builds generators itself)
+
+        if self.tokenizer is None:
+            print("[drafthead] tree='auto' tunes on a few chat prompts and needs the target's tokenizer "
+                  "(pass tokenizer=): using the 'cpu' preset", file=sys.stderr)
+            return "cpu", bool(hybrid), lookup_tokens
+        if self._runner is None:
+            self._runner = make_runner(self.target, head.config.aux_layer_ids, self.runner_kind, self.compile)
+            self._owned.append(self._runner)
+            self._compile_notice()
+        self.tuned = tuned_tree(self.target, head, self.tokenizer, self._runner, self.compile,
+                                lookup_tokens if hybrid is None else 0)
+        if hybrid is None and self.tuned.lookup_tokens:
+            hybrid, lookup_tokens = True, self.tuned.lookup_tokens
+        return self.tuned.tree or "none", bool(hybrid), lookup_tokens
+
+    def _compile_notice(self) -> None:
+        """One line before the first compile, which takes minutes on a CPU."""
+        if self.compile:
+            where = "several minutes on a CPU" if self.device.type == "cpu" else "about a minute"
+            print(f"[drafthead] compile on: each decoding step shape compiles on its first use ({where}; "
+                  "compile=False skips it)", file=sys.stderr, flush=True)
+
     @property
     def runner(self):
         """The target runner (built on first use, then reused across generate calls; or the one passed in)."""
@@ -139,6 +180,7 @@ class SpeculativeGenerator:
                                        largest_tree=self.drafter.tree_size)
             self._check_runner(self._runner)
             self._owned.append(self._runner)
+            self._compile_notice()
         return self._runner
 
     def close(self) -> None:
@@ -195,16 +237,16 @@ class SpeculativeGenerator:
         cls,
         target: str | Path | nn.Module,
         draft: str | Path | DraftHead | Drafter | None,
-        device: str | torch.device | None = None,
+        device: str | torch.device | None = "auto",
         dtype: str | torch.dtype | None = None,
         tokenizer: Any = None,
-        tree: str | TreeOptions | None = "cpu",
+        tree: str | TreeOptions | None = "auto",
         depth: int | None = None,
-        top_k: int | None = None,
+        branching: int | None = None,
         total_tokens: int | None = None,
         runner: str = "auto",
         compile: bool | str = "auto",
-        hybrid: bool = False,
+        hybrid: bool | None = None,
         gamma: int = 4,
         lookup_tokens: int = 10,
         lookup_nodes: int | None = None,
@@ -215,9 +257,15 @@ class SpeculativeGenerator:
         speculate: str | SpeculationSwitch = "always",
         draft_weights: str = "same",
         profile: bool = False,
+        top_k: int | None = None,
     ) -> "SpeculativeGenerator":
-        """target: HF folder/name or a loaded causal LM; dtype: a name, a torch dtype, "auto" (bf16 on CUDA and on CPUs
-        with native bf16, else fp32) or None (the checkpoint's). draft: a head folder (native or exported) or DraftHead;
+        """target: HF folder/name or a loaded causal LM. device: "auto" (CUDA when present, else CPU; a loaded model
+        stays where it is) or a device. dtype: a name or torch dtype; "fast" (bf16 on CUDA and on CPUs with native
+        bf16, else fp32); "auto" (the checkpoint's, as in transformers); None (the default): "fast" for a checkpoint,
+        a loaded model keeps its own. tree: "auto" (the default: tuned for this target, head, machine and dtype once,
+        then cached on disk; see __init__), a preset ("cpu", "gpu", "chain"), "depth,branching,total_tokens", a
+        TreeOptions or "none"; depth / branching (children per node; top_k= is its deprecated name) / total_tokens
+        override it. draft: a head folder (native or exported) or DraftHead;
         a smaller causal LM's folder (or model) sharing the target's tokenizer, drafting chains of `gamma` tokens;
         "prompt-lookup" (chains of up to `lookup_tokens` tokens copied from the context); "self" (the target drafts
         chains of `gamma` tokens for itself with a StreamingLLM KV of `sink` + `window` positions: MagicDec,
@@ -232,16 +280,29 @@ class SpeculativeGenerator:
         on the others (switch.py); "always"
         speculates on every step. draft_weights="int8" (self-speculation): the draft multiplies with an int8 copy of the
         target's weights (half the bytes a draft step reads; the target verifies with its own: still lossless)."""
+        if top_k is not None:
+            warnings.warn("from_pretrained(top_k=) is now branching= (top_k is sampling's, in generate); "
+                          "top_k= goes in the next release", DeprecationWarning, stacklevel=2)
+            branching = top_k if branching is None else branching
         if isinstance(draft, (str, Path)) and str(draft) not in ("prompt-lookup", "self"):
             # a local folder (head or model), else a Hub id where allowed; checked before the target loads
             draft = resolve_source(draft, "draft")
-        if dtype == "auto":  # bf16 on CUDA and on CPUs with native bf16, else fp32 (drafthead.hardware)
-            on = device or (next(target.parameters()).device if isinstance(target, nn.Module) else "cpu")
-            dtype = resolve_dtype("auto", on)
+        loaded = isinstance(target, nn.Module)
+        if device == "auto":
+            device = None if loaded else ("cuda" if torch.cuda.is_available() else "cpu")
+        fast = dtype == "fast" or (dtype is None and not loaded)
+        if fast:  # bf16 on CUDA and on CPUs with native bf16, else fp32 (drafthead.hardware)
+            dtype = auto_dtype(device or (next(target.parameters()).device if loaded else "cpu"))
+        elif dtype == "auto":  # the checkpoint's (transformers' meaning); a loaded model keeps its own
+            dtype = None
         dtype = parse_dtype(dtype)
         model, tokenizer = load_causal_lm(target, dtype, tokenizer, what="target")
         model = place_module(model, device, dtype).eval()
         ref = next(model.parameters())
+        if dtype is None and not loaded and ref.dtype != auto_dtype(ref.device):  # the meaning that changed
+            warnings.warn(f"dtype='auto' keeps the checkpoint's {dtype_name(ref.dtype)} (as in transformers); the "
+                          f"hardware's fastest ({dtype_name(auto_dtype(ref.device))} here), which 'auto' meant "
+                          "before, is dtype='fast' (the default)", FutureWarning, stacklevel=2)
         if draft_vocab is not None and tokenizer is None:
             raise ValueError("draft_vocab counts tokens with the target's tokenizer: pass tokenizer=")
         if draft_weights != "same" and not (isinstance(draft, str) and draft == "self"):
@@ -274,7 +335,8 @@ class SpeculativeGenerator:
                              f"{getattr(draft, 'name', type(draft).__name__)}")
         return cls(model, draft, tokenizer, tree, runner=runner, compile=compile, hybrid=hybrid,
                    lookup_tokens=lookup_tokens, lookup_nodes=lookup_nodes, draft_kv=draft_kv, sink=sink,
-                   window=window, speculate=speculate, profile=profile, depth=depth, top_k=top_k, total_tokens=total_tokens)
+                   window=window, speculate=speculate, profile=profile, depth=depth, top_k=branching,
+                   total_tokens=total_tokens)
 
     @torch.inference_mode()
     def generate(
@@ -286,20 +348,22 @@ class SpeculativeGenerator:
         top_k: int | None = None,
         do_sample: bool | None = None,
         eos_token_id: int | list[int] | None = None,
-        stop: list[str] | str | None = None,
+        stop_strings: list[str] | str | None = None,
         streamer: Any = None,
         generation_config: Any = None,
         seed: int | None = None,
         generator: torch.Generator | None = None,
         tokenizer: Any = None,
         attention_mask: torch.Tensor | None = None,
+        stop: list[str] | str | None = None,
     ) -> GenerationOutput:
         """Speculative generation for prompts (B, T), left-padded with their `attention_mask` when B > 1 (as
         transformers' generate takes a batch), or a tokenizer's output holding both. Arguments as in transformers'
         generate; explicit arguments win over `generation_config`. Greedy unless sampling is asked for (temperature > 0
         or do_sample). eos defaults to the target's generation_config.eos_token_id. Row i of `.sequences` is row i of
         input_ids followed by its new tokens (right-padded with the pad token to the longest row). A streamer
-        follows one row."""
+        follows one row. `stop=` is the deprecated name of stop_strings."""
+        stop_strings = _stop_strings(stop_strings, stop)
         if isinstance(input_ids, Mapping):  # a tokenizer's output (BatchEncoding), e.g. apply_chat_template(...)
             attention_mask = input_ids.get("attention_mask") if attention_mask is None else attention_mask
             input_ids = input_ids["input_ids"]
@@ -317,7 +381,7 @@ class SpeculativeGenerator:
         mask = torch.ones_like(input_ids) if attention_mask is None else torch.as_tensor(attention_mask)
         new, stats = self._run(input_ids, mask.view(b, t).to(self.device), streamer=streamer,
                                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                               do_sample=do_sample, eos_token_id=eos_token_id, stop=stop,
+                               do_sample=do_sample, eos_token_id=eos_token_id, stop_strings=stop_strings,
                                generation_config=generation_config, seed=seed, generator=generator,
                                tokenizer=tokenizer)
         out = torch.full((b, max(stats.rows_new_tokens)), self._pad_token(generation_config), dtype=torch.long)
@@ -331,8 +395,11 @@ class SpeculativeGenerator:
         """Generate for a queue of prompts (each 1-D token ids, any lengths) with continuous batching
         (batch_queue.py): `batch_size` rows decode at once and a finished row takes the next prompt, prefilled
         `prefill_group` at a time. Same outputs as generate() on each prompt alone (greedy: token for token in
-        fp32); the other settings (temperature, top_p, top_k, do_sample, eos_token_id, stop, generation_config,
-        seed, generator, tokenizer) as in generate(). Returns each prompt's new tokens in the prompts' order."""
+        fp32); the other settings (temperature, top_p, top_k, do_sample, eos_token_id, stop_strings,
+        generation_config, seed, generator, tokenizer) as in generate(). Returns each prompt's new tokens in the
+        prompts' order."""
+        if "stop" in settings:
+            settings["stop_strings"] = _stop_strings(settings.get("stop_strings"), settings.pop("stop"))
         if batch_size < 1 or prefill_group < 1:
             raise ValueError(f"batch_size and prefill_group must be >= 1, got {batch_size} and {prefill_group}")
         prompts = [torch.as_tensor(p, dtype=torch.long).view(-1).to(self.device) for p in prompts]
@@ -348,7 +415,7 @@ class SpeculativeGenerator:
     def _run(self, ids: torch.Tensor, mask: torch.Tensor, queue: list[torch.Tensor] = (), prefill_group: int = 8,
              streamer: Any = None, max_new_tokens: int | None = None, temperature: float | None = None,
              top_p: float | None = None, top_k: int | None = None, do_sample: bool | None = None,
-             eos_token_id: int | list[int] | None = None, stop: list[str] | str | None = None,
+             eos_token_id: int | list[int] | None = None, stop_strings: list[str] | str | None = None,
              generation_config: Any = None, seed: int | None = None, generator: torch.Generator | None = None,
              tokenizer: Any = None) -> tuple[list[list[int]], GenerationStats]:
         """Decode the left-padded rows `ids` (B, T), then the `queue` of waiting prompts in the rows that free up.
@@ -359,7 +426,7 @@ class SpeculativeGenerator:
                                                            seed, generator)
 
         def stopper() -> Stopper:
-            return self._stopper(gc, eos_token_id, stop, tokenizer, max_new_tokens)
+            return self._stopper(gc, eos_token_id, stop_strings, tokenizer, max_new_tokens)
 
         stats = GenerationStats()
         waiting = None
@@ -377,7 +444,21 @@ class SpeculativeGenerator:
         stats.rows_new_tokens = [len(row) for row in new]
         stats.new_tokens = sum(stats.rows_new_tokens)
         stats.total_time_s = time.perf_counter() - t_start
+        if ids.shape[0] == 1 and not queue:
+            self._warn_if_slow(stats)
         return new, stats
+
+    def _warn_if_slow(self, stats: GenerationStats) -> None:
+        """Warn (once) when a one-row generation decoded slower than the plain decoding the tuning measured here;
+        short generations are too noisy to tell."""
+        if self.tuned is None or self.plain or self._warned_slow or stats.new_tokens < SLOW_CHECK_TOKENS:
+            return
+        rate = stats.new_tokens / max(stats.total_time_s - stats.prefill_time_s, 1e-9)
+        if rate < SLOW_MARGIN * self.tuned.plain_tokens_per_s:
+            self._warned_slow = True
+            warnings.warn(f"speculative decoding ran at {rate:.1f} tokens/s, below the {self.tuned.plain_tokens_per_s:.1f}"
+                          " tokens/s that plain decoding measured on this machine (tree='none' decodes without "
+                          "speculation)", RuntimeWarning, stacklevel=3)
 
     def _sync(self):
         return synchronizer(self.device) if self.profile else (lambda: None)
@@ -405,7 +486,8 @@ class SpeculativeGenerator:
                     return int(value)
         return 0
 
-    def _stopper(self, gc: Any, eos_token_id, stop, tokenizer, max_new_tokens: int) -> "Stopper":
+    def _stopper(self, gc: Any, eos_token_id, stop: list[str] | str | None, tokenizer,
+                 max_new_tokens: int) -> "Stopper":
         """Stop conditions from the arguments, else the generation config, else the target's eos."""
         if eos_token_id is None:
             eos_token_id = getattr(gc, "eos_token_id", None)
@@ -416,6 +498,17 @@ class SpeculativeGenerator:
             stop = getattr(gc, "stop_strings", None)
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         return Stopper(eos, stop, tokenizer or self.tokenizer, max_new_tokens)
+
+
+def _stop_strings(stop_strings: list[str] | str | None, stop: list[str] | str | None) -> list[str] | str | None:
+    """stop_strings, or the deprecated stop= (one release, with a warning)."""
+    if stop is None:
+        return stop_strings
+    warnings.warn("generate(stop=) is now stop_strings= (as in transformers); stop= goes in the next release",
+                  DeprecationWarning, stacklevel=3)
+    if stop_strings is not None:
+        raise ValueError("pass stop_strings= only (stop= is its deprecated name)")
+    return stop
 
 
 def is_head_folder(path: str | Path) -> bool:

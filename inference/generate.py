@@ -2,13 +2,18 @@
 tau and tokens/s.
 
     python -m inference.generate --target PATH --draft PATH --prompt "Tell me a story" --chat \
-        [--temperature 0.7 --top-p 0.9] [--max-new-tokens 128] [--device cpu] [--dtype auto] [--tree cpu]
+        [--temperature 0.7 --top-p 0.9] [--max-new-tokens 128] [--device auto] [--dtype fast] [--tree auto]
+
+It prints the device, dtype and tree it runs with first (stderr). --tree auto (the default) tunes the tree for this
+target, head, machine and dtype on the first run (a notice says so, with an estimate) and reuses the choice from the
+cache folder afterwards.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 import torch
 
@@ -33,25 +38,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-p", type=float, default=None)
     ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with native bf16, else fp32) | "
-                    "bfloat16 | float16 | float32 | checkpoint (the checkpoint's own)")
-    ap.add_argument("--tree", default="cpu", help=f"a preset ({', '.join(sorted(TREE_PRESETS))}) or "
-                    "depth,top_k,total_tokens")
-    ap.add_argument("--depth", type=int, default=None)
-    ap.add_argument("--top-k-draft", type=int, default=None, help="draft tree branching (overrides --tree)")
-    ap.add_argument("--total-tokens", type=int, default=None)
+    ap.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda, cuda:1, ...")
+    ap.add_argument("--dtype", default="fast", help="fast (bf16 on CUDA and on CPUs with native bf16, else fp32) | "
+                    "auto (the checkpoint's own; 'checkpoint' is its old name) | bfloat16 | float16 | float32")
+    ap.add_argument("--tree", default="auto", help=f"auto (tuned for this machine once, then cached), a preset "
+                    f"({', '.join(sorted(TREE_PRESETS))}), none (plain decoding) or depth,branching,total_tokens")
+    ap.add_argument("--depth", type=int, default=None, help="draft tree depth (overrides --tree)")
+    ap.add_argument("--branching", type=int, default=None, help="draft tree branching: children per node "
+                    "(overrides --tree)")
+    ap.add_argument("--top-k-draft", type=int, default=None, help=argparse.SUPPRESS)  # --branching's old name
+    ap.add_argument("--total-tokens", type=int, default=None, help="drafted tokens verified a step (overrides --tree)")
+    ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                    help="torch.compile the decoding steps (auto: on CUDA only; on a CPU each step shape compiles for "
+                         "minutes, paid back over long runs)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.top_k_draft is not None:
+        warnings.warn("--top-k-draft is now --branching; --top-k-draft goes in the next release", FutureWarning)
+        args.branching = args.top_k_draft if args.branching is None else args.branching
     from transformers import TextStreamer
 
     gen = SpeculativeGenerator.from_pretrained(
-        args.target, args.draft, device=args.device, dtype=None if args.dtype == "checkpoint" else args.dtype,
-        tree=args.tree, depth=args.depth, top_k=args.top_k_draft, total_tokens=args.total_tokens, hybrid=args.hybrid,
-        gamma=args.gamma, lookup_tokens=args.lookup_tokens,
+        args.target, args.draft, device=args.device, dtype="auto" if args.dtype == "checkpoint" else args.dtype,
+        tree=args.tree, depth=args.depth, branching=args.branching, total_tokens=args.total_tokens,
+        hybrid=True if args.hybrid else None, gamma=args.gamma, lookup_tokens=args.lookup_tokens,
+        compile=args.compile,
     )
+    ref = next(gen.target.parameters())
+    print(f"[drafthead] {ref.device}, {str(ref.dtype).removeprefix('torch.')}, {gen.drafter.name} drafter, "
+          f"{describe_tree(gen)}", file=sys.stderr, flush=True)
     tok = gen.tokenizer
     if tok is None:
         ap.error(f"no tokenizer found in {args.target}")
@@ -68,6 +85,17 @@ def main(argv: list[str] | None = None) -> int:
           f" | target forwards {s.target_forwards} | draft {s.draft_time_s:.2f} s, verify {s.verify_time_s:.2f} s]",
           file=sys.stderr)
     return 0
+
+
+def describe_tree(gen: SpeculativeGenerator) -> str:
+    """The tree a head drafts (depth, branching, total tokens, with the lookup branch), or plain decoding."""
+    if gen.plain:
+        return "plain decoding (no speculation)"
+    if gen.options is None:
+        return "its own drafts"
+    o = gen.options
+    lookup = ", with the prompt-lookup branch" if "+lookup" in gen.drafter.name else ""
+    return f"tree depth {o.depth}, branching {o.top_k}, {o.total_tokens} tokens{lookup}"
 
 
 if __name__ == "__main__":

@@ -165,7 +165,7 @@ def test_from_pretrained_draft_vocab(tmp_path, tiny_target_dir, sharegpt_path):
     assert torch.equal(gen.drafter.vocab, frequent_tokens(tok, 320, 40, sharegpt_path))
     assert gen.drafter.vocab_weight.shape == (40, 64)
     save_head(tiny_head(AutoModelForCausalLM.from_pretrained(tiny_target_dir), draft_vocab_size=200), tmp_path / "h")
-    gen = SpeculativeGenerator.from_pretrained(tiny_target_dir, tmp_path / "h", draft_vocab=30)
+    gen = SpeculativeGenerator.from_pretrained(tiny_target_dir, tmp_path / "h", tree="cpu", draft_vocab=30)
     assert gen.head.config.draft_vocab_size == 30 and gen.head.lm_head.weight.shape[0] == 30
     with pytest.raises(ValueError, match="draft_vocab applies to a head or to 'self', not to prompt_lookup"):
         SpeculativeGenerator.from_pretrained(tiny_target_dir, "prompt-lookup", draft_vocab=10)

@@ -69,7 +69,7 @@ def test_stop_strings_inside_path(runner):
             if not stop.strip() or "\ufffd" in stop:
                 continue
             end = next(k for k in range(1, MAX_NEW + 1) if stop in tok.decode(free[:k]))  # plain decoding's stop
-            out = gen.generate(ids, max_new_tokens=MAX_NEW, eos_token_id=[], stop=[stop, "never-there"],
+            out = gen.generate(ids, max_new_tokens=MAX_NEW, eos_token_id=[], stop_strings=[stop, "never-there"],
                                tokenizer=tok)
             assert out.sequences[0, prompt_len:].tolist() == free[:end], (stop, end)
             inside += cut_inside(out.stats)

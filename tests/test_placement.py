@@ -56,12 +56,13 @@ def test_load_head_keeps_rotary_frequencies(tmp_path):
         assert got.dtype == torch.float32 and torch.equal(got, value), name
 
 
-def test_engine_dtype_auto_and_checkpoint(tiny_target_dir):
-    """dtype="auto" is the hardware's choice (drafthead.hardware.auto_dtype), None keeps the checkpoint's."""
+def test_engine_dtype_fast_and_checkpoint(tiny_target_dir):
+    """dtype="fast" is the hardware's choice (drafthead.hardware.auto_dtype), "auto" keeps the checkpoint's (as in
+    transformers)."""
     from drafthead.hardware import auto_dtype
 
     saved = AutoModelForCausalLM.from_pretrained(tiny_target_dir).dtype
-    auto = SpeculativeGenerator.from_pretrained(tiny_target_dir, None, tree="none", device="cpu", dtype="auto")
-    kept = SpeculativeGenerator.from_pretrained(tiny_target_dir, None, tree="none", device="cpu", dtype=None)
-    assert next(auto.target.parameters()).dtype == auto_dtype("cpu")
+    fast = SpeculativeGenerator.from_pretrained(tiny_target_dir, None, tree="none", device="cpu", dtype="fast")
+    kept = SpeculativeGenerator.from_pretrained(tiny_target_dir, None, tree="none", device="cpu", dtype="auto")
+    assert next(fast.target.parameters()).dtype == auto_dtype("cpu")
     assert next(kept.target.parameters()).dtype == saved

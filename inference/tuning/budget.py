@@ -35,7 +35,8 @@ from drafthead.hardware import synchronizer
 from ..drafter import Accepted
 from ..drafters.eagle import HeadDrafter
 from ..engine import SpeculativeGenerator
-from ..runners import make_runner
+from ..runners import StaticRunner, make_runner
+from ..runners.kv import static_cache_supported
 from ..tree import TREE_PRESETS, DraftTree, TreeOptions
 
 CALIBRATION_TREE = TreeOptions(depth=8, top_k=10, total_tokens=80)
@@ -44,6 +45,29 @@ TOP_KS = (1, 2, 3, 4, 6, 8, 10)
 TOTALS = tuple(range(1, 17)) + (20, 24, 28, 32, 40, 48, 56, 60, 64, 80)
 TRIAL_TREES = 4  # the best predicted tree of this many verify sizes decodes for real before the choice
 TRIAL_ROUNDS = 2  # each trial generator decodes every calibration prompt this many times (taking turns)
+
+
+@dataclass(frozen=True)
+class TuningBudget:
+    """How much the tuner measures: the calibration tree (candidates are the trees inside it), the drafting shapes
+    timed, the repetitions of each timing, and the trial's size. FULL is the benchmark's; QUICK bounds a first
+    call of the library (fewer shapes and repetitions, verify sizes up to `max_verify`, a shorter trial)."""
+
+    calibration: TreeOptions = CALIBRATION_TREE
+    depths: tuple[int, ...] = tuple(DEPTHS)
+    top_ks: tuple[int, ...] = TOP_KS
+    max_verify: int = max(TOTALS)  # drafted tokens (root excluded)
+    verify_reps: int = 15
+    draft_reps: int = 5
+    trial_trees: int = TRIAL_TREES
+    rounds: int = TRIAL_ROUNDS
+
+
+FULL = TuningBudget()
+# on a CPU a tree past 32 tokens never won (verifying 33 tokens costs several plain steps there), so the quick
+# budget's calibration tree stops at 32
+QUICK = TuningBudget(calibration=TreeOptions(depth=6, top_k=8, total_tokens=32), depths=(2, 3, 4, 5, 6),
+                     top_ks=(1, 2, 4, 8), max_verify=32, verify_reps=5, draft_reps=3, trial_trees=2, rounds=1)
 # a tree with a larger verify bucket must beat the best smaller one by this factor in the trial: three short
 # calibration prompts rated larger trees a few per cent ahead that then decoded slower (results/HISTORY.md)
 LARGER_TREE_MARGIN = 1.10
@@ -321,6 +345,7 @@ def auto_tree(
     runner=None,
     lookup_tokens: int = 0,
     vocab_heads: dict[int, DraftHead] | None = None,
+    budget: TuningBudget = FULL,
 ) -> tuple[TreeOptions | None, dict]:
     """Choose the tree budget that maximises expected tokens/s on this device, dtype and runner (the one the
     generator will use: pass it; default a new static-or-eager runner). Returns (options, report); options is None
@@ -331,13 +356,16 @@ def auto_tree(
     on a static runner the branch gets at most what the largest verify bucket leaves beside the tree).
     vocab_heads ({draft vocabulary size: head pruned to it}): the chosen tree then decodes with each
     (choose_draft_vocab), before the lookup branch is tried with the fastest; report["draft_vocab"]["chosen"] names
-    it. The tree itself is tuned with `head`."""
+    it. The tree itself is tuned with `head`. `budget`: how much to measure (FULL, or QUICK for a bounded first
+    call)."""
     if runner is None:
         runner = make_runner(model, head.config.aux_layer_ids)
     # acceptance does not depend on the runner: record it on an uncompiled one of its own (a bucket for the
     # calibration tree)
-    recorder = RecordingDrafter(head, CALIBRATION_TREE)
-    gen = SpeculativeGenerator(model, recorder, compile=False)
+    recorder = RecordingDrafter(head, budget.calibration)
+    calibration_runner = "auto" if static_cache_supported(model) else \
+        StaticRunner(model, head.config.aux_layer_ids, buckets=(1, budget.calibration.tree_size))
+    gen = SpeculativeGenerator(model, recorder, compile=False, runner=calibration_runner)
     records = recorder.records
     overhead_ms = []
     last = None
@@ -348,11 +376,13 @@ def auto_tree(
         overhead_ms.append(1000 * (s.total_time_s - s.draft_time_s - s.verify_time_s) / steps)
         last = out.sequences
     gen.close()
+    getattr(calibration_runner, "close", lambda: None)()
     prefix = last[:, -256:] if last.shape[1] > 256 else last
-    sizes = verify_sizes(runner)
-    verify_ms = measure_verify_ms(runner, prefix, sizes)
-    shapes = [TreeOptions(depth=d, top_k=k, total_tokens=max(TOTALS)) for k in TOP_KS for d in DEPTHS]
-    draft_ms = {(o.depth, o.top_k): ms for o, ms in measure_draft_ms(runner, head, prefix, shapes).items()}
+    sizes = tuple(n for n in verify_sizes(runner) if n <= budget.max_verify) or verify_sizes(runner)[:1]
+    verify_ms = measure_verify_ms(runner, prefix, sizes, reps=budget.verify_reps)
+    shapes = [TreeOptions(depth=d, top_k=k, total_tokens=max(TOTALS)) for k in budget.top_ks for d in budget.depths]
+    draft_ms = {(o.depth, o.top_k): ms
+                for o, ms in measure_draft_ms(runner, head, prefix, shapes, reps=budget.draft_reps).items()}
     overhead = statistics.median(overhead_ms)
 
     def verify_size(total: int) -> int:  # a tree is padded to the next measured size
@@ -362,22 +392,24 @@ def auto_tree(
         return verify_ms[verify_size(total)]
 
     table = []
-    for depth in DEPTHS:
-        for top_k in TOP_KS:
+    for depth in budget.depths:
+        for top_k in budget.top_ks:
             for total in TOTALS:
-                if total < depth or total > max(verify_ms) or (top_k == 1 and total != depth):
+                if total < depth or total > min(max(verify_ms), budget.calibration.total_tokens) or \
+                        (top_k == 1 and total != depth):
                     continue
                 tau = expected_tau(records, depth, top_k, total)
                 step_ms = draft_ms[(depth, top_k)] + verify_cost(total) + overhead
                 tps = 1000 * tau / step_ms
                 table.append((tps, tau, step_ms, depth, top_k, total))
-    # 4. the trial: the best predicted tree of each of the TRIAL_TREES best verify sizes, and plain decoding
+    # 4. the trial: the best predicted tree of each of the budget's trial_trees best verify sizes, and plain decoding
     finalists: dict[int, tuple] = {}
     for row in sorted(table, reverse=True):
         finalists.setdefault(verify_size(row[5]), row)
-    finalists = dict(list(finalists.items())[:TRIAL_TREES])
+    finalists = dict(list(finalists.items())[:budget.trial_trees])
     trees = [TreeOptions(depth=d, top_k=k, total_tokens=n) for *_, d, k, n in finalists.values()]
-    trial_ms = measure_decoding_ms(model, head, runner, [None, *trees], calibration_inputs, max_new_tokens)
+    trial_ms = measure_decoding_ms(model, head, runner, [None, *trees], calibration_inputs, max_new_tokens,
+                                   rounds=budget.rounds)
     plain_ms = trial_ms.pop(None)
     measured = [(1000 * tau / trial_ms[o], tau, trial_ms[o], o.depth, o.top_k, o.total_tokens)
                 for (_, tau, *_), o in zip(finalists.values(), trees)]
@@ -388,7 +420,7 @@ def auto_tree(
     draft_vocab = None
     if options is not None and vocab_heads and len(vocab_heads) > 1:
         size, rates = choose_draft_vocab(model, vocab_heads, runner, options, calibration_inputs, max_new_tokens,
-                                         verbose=verbose)
+                                         rounds=budget.rounds, verbose=verbose)
         head = vocab_heads[size]
         draft_vocab = {"chosen": size, "trial": {str(k): v for k, v in rates.items()}}
     lookup_branch = None
@@ -401,12 +433,12 @@ def auto_tree(
                              "skipped": f"the tree fills the runner's largest verify bucket ({buckets[-1]})"}
         else:
             rates = measure_lookup_branch(model, head, runner, options, branch_tokens, calibration_inputs,
-                                          max_new_tokens)
+                                          max_new_tokens, rounds=budget.rounds)
             lookup_branch = {"tokens": branch_tokens, "chosen": rates[True] >= rates[False],
                              "tokens_per_s": {"tree_alone": rates[False], "with_lookup": rates[True]}}
     gpu = TREE_PRESETS["gpu"]
     gpu_tree = None  # the GPU preset's prediction, where the runner verifies a tree that large
-    if gpu.total_tokens <= max(verify_ms):
+    if gpu.total_tokens <= max(verify_ms) and (gpu.depth, gpu.top_k) in draft_ms:
         gpu_tau = expected_tau(records, gpu.depth, gpu.top_k, gpu.total_tokens)
         gpu_ms = draft_ms[(gpu.depth, gpu.top_k)] + verify_cost(gpu.total_tokens) + overhead
         gpu_tree = {"tau": gpu_tau, "step_ms": gpu_ms, "tokens_per_s": 1000 * gpu_tau / gpu_ms}

@@ -1,0 +1,168 @@
+"""tree="auto" in the library: the tree tuned for this target, head, machine and dtype (budget.py, QUICK budget),
+cached on disk in the asset cache folder (drafthead.paths.cache_dir()/tuning) so that it is paid once per machine;
+a second process reads the choice back without tuning."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from drafthead import DraftHead
+from drafthead.hardware import cpu_flags
+from drafthead.paths import cache_dir
+
+from ..tree import TreeOptions
+from .budget import FULL, QUICK, TuningBudget, auto_tree
+
+# generic chat requests (writing, coding, reasoning) that the tuner drafts and decodes: no asset needed
+CALIBRATION_PROMPTS = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain in simple terms how a hash table works, with a small Python example.",
+)
+CALIBRATION_TOKENS = 64
+# the tuning of the real SmolLM2-135M target (fp32, 2-core AVX2 CPU, QUICK budget) took this many times one target
+# forward over a 64-token chunk: the estimate printed before tuning
+TUNING_FORWARDS = 1500
+FORMAT = 1  # bumped when the cached file's meaning changes
+
+
+@dataclasses.dataclass
+class TunedTree:
+    """What the tuning chose: the tree (None: plain decoding measured faster), the lookup branch's tokens (0:
+    without it), and the decoding rates it measured (tokens/s; the warning's reference)."""
+
+    tree: TreeOptions | None
+    lookup_tokens: int
+    plain_tokens_per_s: float
+    tokens_per_s: float
+
+
+def machine(device: torch.device) -> str:
+    """The machine kind that decides the costs: the GPU's name, else the CPU's model, features and threads."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name} [{' '.join(cpu_flags())}] x{torch.get_num_threads()} threads"
+
+
+def fingerprint(module: nn.Module, config: Any) -> str:
+    """A short digest of a model: its config and a sample of its weights (the first and last parameters), so that
+    two checkpoints of one architecture, or a retrained head, are tuned apart."""
+    params = list(module.parameters())
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    for p in (params[0], params[-1]):
+        digest.update(p.detach().flatten()[:4096].float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_key(model: nn.Module, head: DraftHead, runner: Any, compiled: bool, lookup_tokens: int,
+              budget: TuningBudget) -> dict:
+    """The identity of a tuning: (target, head, machine, dtype) and the settings that change the costs."""
+    ref = next(model.parameters())
+    target_config = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}
+    return {"format": FORMAT, "target": fingerprint(model, target_config),
+            "head": fingerprint(head, dataclasses.asdict(head.config)), "machine": machine(ref.device),
+            "dtype": str(ref.dtype).removeprefix("torch."), "runner": type(runner).__name__, "compile": compiled,
+            "lookup_tokens": lookup_tokens, "torch": torch.__version__, "budget": repr(budget)}
+
+
+def cache_file(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / "tuning" / f"tree-{digest}.json"
+
+
+def write_atomically(path: Path, data: dict) -> None:
+    """Write JSON so that a reader (another process) sees the old file or the whole new one, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as f:
+        json.dump(data, f, indent=1)
+        tmp = f.name
+    os.replace(tmp, path)
+
+
+def read_cached(path: Path, key: dict) -> TunedTree | None:
+    """The cached choice for `key`, or None (no file, an unreadable one, or another key)."""
+    try:
+        data = json.loads(path.read_text())
+        if data["key"] != key:
+            return None
+        tree = None if data["tree"] == "none" else TreeOptions(**data["tree"])
+        return TunedTree(tree, int(data["lookup_tokens"]), float(data["plain_tokens_per_s"]),
+                         float(data["tokens_per_s"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def calibration_inputs(tokenizer: Any, device: torch.device) -> list[torch.Tensor]:
+    """The calibration prompts as the target reads them: in its chat template where it has one."""
+    out = []
+    for prompt in CALIBRATION_PROMPTS:
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                return_tensors="pt", return_dict=True)["input_ids"]
+        else:
+            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        out.append(ids.to(device))
+    return out
+
+
+def estimate_s(model: nn.Module, inputs: list[torch.Tensor]) -> float:
+    """Seconds the tuning should take here: TUNING_FORWARDS times one timed target forward over a prompt."""
+    ids = inputs[0][:, :64]
+    with torch.inference_mode():
+        model(ids)  # the first call pays one-time setup
+        start = time.perf_counter()
+        model(ids)
+        if ids.device.type == "cuda":
+            torch.cuda.synchronize(ids.device)
+    return TUNING_FORWARDS * (time.perf_counter() - start)
+
+
+def tuned_tree(model: nn.Module, head: DraftHead, tokenizer: Any, runner: Any, compiled: bool,
+               lookup_tokens: int) -> TunedTree:
+    """The tree tuned for this target, head, machine and dtype on `runner`: read from the cache, else tuned
+    (QUICK budget on CPU, a one-line notice with an estimate first) and cached. lookup_tokens > 0: the tuning also
+    decides whether the prompt-lookup branch of that many tokens pays."""
+    device = next(model.parameters()).device
+    budget = QUICK if device.type != "cuda" else dataclasses.replace(FULL, trial_trees=2, rounds=1)
+    key = cache_key(model, head, runner, compiled, lookup_tokens, budget)
+    path = cache_file(key)
+    cached = read_cached(path, key)
+    if cached is None:
+        inputs = calibration_inputs(tokenizer, device)
+        estimate = estimate_s(model, inputs)
+        print(f"[drafthead] tree='auto': tuning the draft tree for this machine once (about "
+              f"{max(1, round(estimate / 60))} min; cached in {path.parent})", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        options, report = auto_tree(model, head, inputs, max_new_tokens=CALIBRATION_TOKENS, runner=runner,
+                                    lookup_tokens=lookup_tokens, budget=budget, verbose=True)
+        branch = report["lookup_branch"]
+        chosen = report["predicted"]["tokens_per_s"] if options is not None else 0.0  # the chosen tree's trial rate
+        cached = TunedTree(options, branch["tokens"] if branch and branch["chosen"] else 0,
+                           report["predicted_plain"]["tokens_per_s"], chosen)
+        write_atomically(path, {"key": key, "tree": dataclasses.asdict(options) if options else "none",
+                                "lookup_tokens": cached.lookup_tokens,
+                                "plain_tokens_per_s": cached.plain_tokens_per_s, "tokens_per_s": cached.tokens_per_s,
+                                "tuning_s": time.perf_counter() - start, "estimate_s": estimate, "report": report})
+    if cached.tree is None:
+        print("[drafthead] tree='auto': plain decoding measured faster than every draft tree on this machine; "
+              "decoding without speculation", file=sys.stderr)
+    return cached
