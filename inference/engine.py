@@ -458,7 +458,7 @@ class SpeculativeGenerator:
             self._warned_slow = True
             warnings.warn(f"speculative decoding ran at {rate:.1f} tokens/s, below the {self.tuned.plain_tokens_per_s:.1f}"
                           " tokens/s that plain decoding measured on this machine (tree='none' decodes without "
-                          "speculation)", RuntimeWarning, stacklevel=3)
+                          "speculation)", RuntimeWarning, stacklevel=5)  # the caller of generate
 
     def _sync(self):
         return synchronizer(self.device) if self.profile else (lambda: None)
@@ -505,7 +505,7 @@ def _stop_strings(stop_strings: list[str] | str | None, stop: list[str] | str | 
     if stop is None:
         return stop_strings
     warnings.warn("generate(stop=) is now stop_strings= (as in transformers); stop= goes in the next release",
-                  DeprecationWarning, stacklevel=3)
+                  DeprecationWarning, stacklevel=4)  # user, torch's inference_mode wrapper, generate
     if stop_strings is not None:
         raise ValueError("pass stop_strings= only (stop= is its deprecated name)")
     return stop
