@@ -20,14 +20,7 @@
 // depends only on its own query, keys and mask row, whatever the number of queries, so a token's attention does
 // not depend on the tree verified beside it (a token decoded alone and verified in a tree get the same bits).
 //
-// Against the previous two-pass kernel (all scores, then all values; one task per row, KV head and lane set),
-// SmolLM2-135M's shapes (9 heads, 3 KV heads, head_dim 64), one layer, 2-core Zen 4 EPYC, interleaved runs:
-// 1 row over 8k keys, 1 / 4 / 16 queries 0.27 / 0.38 / 1.08 -> 0.22 / 0.31 / 1.02 ms (the threads share the
-// keys); 8 rows over 8k keys 2.64 / 3.38 -> 2.43 / 3.36 ms; 1 row over 1.2k keys unchanged. Scores by key for few
-// lanes (2026-11-27, same machine kind, medians of 7 interleaved runs of two builds): 8 rows, 1 query, 8k keys
-// 2.55-2.64 -> 2.03-2.09 ms a layer (50 MB of keys and values: ~24 GB/s, what a plain read streams here);
-// 8 rows, 1 query over a 264-slot self-draft cache 59 -> 41 us; 2 queries 8k keys ~-3 %; 4 queries unchanged
-// (12 lanes: scores by key measured 10-20 % slower there).
+// Measurements of this design against the previous ones: results/HISTORY_LONG_CONTEXT.md.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

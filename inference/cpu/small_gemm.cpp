@@ -61,7 +61,8 @@ struct Int8Dot : PackedDot<uint8_t, int8_t, int32_t, 4> {
 template <typename T, int kRows>
 void block_dot(const typename T::In* a, int64_t lda, const typename T::Weight* b, int64_t steps,
                typename T::Sum* acc) {
-  typename T::Vec c[kRows][2] = {};  // zeros
+  typename T::Vec c[kRows][2];
+  for (int m = 0; m < kRows; ++m) c[m][0] = c[m][1] = (typename T::Vec)_mm512_setzero_si512();
   for (int64_t p = 0; p < steps; ++p) {
     const typename T::Weight* bp = b + p * T::kPack * kBlock;
     const __m512i b0 = _mm512_loadu_si512(bp), b1 = _mm512_loadu_si512(bp + T::kPack * kBlock / 2);
