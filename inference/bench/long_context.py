@@ -93,7 +93,7 @@ def long_documents(path: Path | None = None, min_chars: int = 20000, limit: int 
     return docs[:limit] if limit is not None else docs
 
 
-def _chat_ids(tokenizer: Any, content: str) -> list[int]:
+def chat_token_ids(tokenizer: Any, content: str) -> list[int]:
     """Token ids of one user turn after the chat template, with the assistant generation prompt."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                          add_generation_prompt=True)
@@ -108,7 +108,7 @@ def _fit(tokenizer: Any, doc_ids: list[int], instruction: str, context: int, ove
     """
     def prompt(k: int) -> list[int]:
         cut = tokenizer.decode(doc_ids[:k], clean_up_tokenization_spaces=False).rstrip().rstrip("\ufffd").rstrip()
-        return _chat_ids(tokenizer, f"{cut}\n\n{instruction}")
+        return chat_token_ids(tokenizer, f"{cut}\n\n{instruction}")
 
     tried: set[int] = set()
     k = context - overhead
@@ -149,7 +149,7 @@ def long_prompts(tokenizer: Any, context: int, count: int, path: Path | None = N
     if task not in INSTRUCTIONS:
         raise ValueError(f"task must be one of {sorted(INSTRUCTIONS)}, got {task!r}")
     instruction = INSTRUCTIONS[task]
-    overhead = len(_chat_ids(tokenizer, f"\n\n{instruction}"))  # template + instruction, no document
+    overhead = len(chat_token_ids(tokenizer, f"\n\n{instruction}"))  # template + instruction, no document
     if context <= overhead:
         raise ValueError(f"context {context} leaves no room for a document (template + instruction: {overhead} tokens)")
     path = Path(path) if path is not None else default_path()
