@@ -1,8 +1,9 @@
-"""Export a native head folder to the layout vLLM and SGLang load (see shared/reference/checkpoint-format.md).
+"""Export a native head folder to the layout vLLM and SGLang load, or to llama.cpp's GGUF (export_gguf.py).
 
     python -m drafthead.export runs/x/head runs/x/eagle3-serving [--format eagle3|eagle1] [--force]
-    python -m drafthead.export runs/x/head runs/x/head.gguf --format gguf --target TARGET_DIR  (llama.cpp, see
-                                                                                               export_gguf.py)
+    python -m drafthead.export runs/x/head runs/x/head.gguf --format gguf --target TARGET_DIR [--outtype f32]
+
+The serving layout follows shared/reference/checkpoint-format.md:
 
 EAGLE-3: tensors fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t, t2d (the native names already);
          config.json with architectures ["LlamaForCausalLMEagle3"] and both aux-layer keys:
@@ -25,8 +26,8 @@ from typing import Any
 import torch
 
 from .checkpoint import load_head, stored_dtype, write_head_folder
-from .export_gguf import OUTTYPES, export_gguf
 from .config import HeadConfig
+from .export_gguf import OUTTYPES, export_gguf
 from .format import ARCHITECTURES, FORMATS, NATIVE_KEY, rope_parameters, rope_type, serving_tensor_names, vllm_aux_ids
 from .model import DraftHead
 from .utils import dtype_name
@@ -129,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="gguf: the matrices' type (default: the head's own dtype)")
     parser.add_argument("--force", action="store_true", help="replace an existing non-empty OUT")
     args = parser.parse_args(argv)
+    if args.format != "gguf" and (args.target or args.outtype):
+        parser.error("--target and --outtype belong to --format gguf")
     try:
         if args.format == "gguf":
             out = export_gguf(args.src, args.out, args.target, args.outtype, args.force)

@@ -254,10 +254,10 @@ def export_gguf(src: str | Path, out: str | Path, target_dir: str | Path | None,
     out = Path(out)
     if target_dir is None:
         raise ValueError("--format gguf needs --target: the target's model folder (its config and tokenizer)")
-    if out.exists() and not force:
-        raise FileExistsError(f"{out} exists: pass --force to replace it")
     if out.is_dir():
         raise ValueError(f"{out} is a folder: --format gguf writes one file, e.g. {out / 'head.gguf'}")
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} exists: pass --force to replace it")
     head = load_head(src, dtype=stored_dtype(src))
     return write_gguf(head, target_dir, out, outtype, name_from=src)
 
@@ -297,7 +297,8 @@ def read_gguf(path: str | Path) -> tuple[dict[str, tuple[str, Any]], dict[str, t
     if bytes(buf[:4]) != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file")
     pos = 4
-    _version, n_tensors, n_kv = take("I"), take("Q"), take("Q")
+    take("I")  # the format version (3 for the files written here)
+    n_tensors, n_kv = take("Q"), take("Q")
     metadata = {}
     for _ in range(n_kv):
         key = string()
