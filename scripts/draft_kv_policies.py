@@ -12,7 +12,7 @@ tokens per verification (τ). Policies, at a budget of KV entries:
 It measures acceptance only (transformers' forward with a float32 attention that masks per head; no speed): a policy
 that keeps τ with fewer entries makes each draft step's attention cheaper in the engine.
 
-    python scripts/draft_kv_policies.py --target MODEL --context 8192 --rows 8 --out results/draft_kv_policies.json
+    python scripts/draft_kv_policies.py --target MODEL --context 8192 --rows 8 --out docs/results/draft_kv_policies.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Where a decoding step's time goes: the engine's own loop with a timer around each phase, per method.
 
     python scripts/step_phases.py --target PATH --draft HEAD [--draft-vocab 4096] --tree 2,2,3 \
-        --num-prompts 8 --max-new-tokens 128 --rounds 3 [--repeat-draft] --out results/step_phases.json
+        --num-prompts 8 --max-new-tokens 128 --rounds 3 [--repeat-draft] --out docs/results/step_phases.json
 
 Each method (engine plain decoding and speculative decoding with the head's tree) decodes the same prompts, the
 methods taking turns prompt by prompt for `--rounds` rounds (a shared machine has slow and fast spells). Per round

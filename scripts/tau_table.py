@@ -1,7 +1,7 @@
 """Mean accepted length τ of several heads on the same prompts and tree, greedy: the heads' quality side by side.
 
     python scripts/tau_table.py --target PATH --heads start=HEAD_A self=HEAD_B ... [--tree gpu] [--num-prompts 80]
-        [--max-new-tokens 128] [--batch-size 8] --out results/tau.json
+        [--max-new-tokens 128] [--batch-size 8] --out docs/results/tau.json
 
 Every head decodes every prompt (MT-bench first turns by default, the target's chat template) with the engine's
 speculative greedy decoding on the given tree; the target's output does not depend on the head (lossless), so
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=1,
                    help="rows decoded at once (continuous batching); 1 = each prompt alone")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--out", default="results/tau_table.json")
+    p.add_argument("--out", default="docs/results/tau_table.json")
     args = p.parse_args(argv)
 
     dtype = resolve_dtype(args.dtype, "cpu")

@@ -1,7 +1,7 @@
 """Cost of one batched verify step against the number of tokens verified per row, at a given batch and context.
 
     python scripts/verify_cost.py --target PATH --batch-size 8 --context 8192 --queries 1,2,3,4,5,7 \
-        [--compile on] --out results/verify_cost.json
+        [--compile on] --out docs/results/verify_cost.json
 
 Self-speculation (MagicDec) pays when verifying γ+1 tokens per row costs about what one token costs, which holds
 where a step is bound by reading the KV cache. This measures it on the batch runner itself: B rows whose buffers
