@@ -29,7 +29,7 @@ from drafthead import DraftHead, HeadConfig
 from drafthead.checkpoint import load_head
 from drafthead.config import default_aux_layer_ids
 from drafthead.errors import DataError
-from drafthead.utils import atomic_write_json, mixed_precision, rotary_frequencies
+from drafthead.utils import atomic_write_json, dtype_name, mixed_precision, rotary_frequencies
 from drafthead.vocab import build_draft_vocab, full_vocab, token_frequencies
 from train.batches import PreparedSequences, collate, epoch_batches, rank_batches, with_online_features
 from train.evaluate import evaluate
@@ -183,6 +183,7 @@ class Trainer:
         # the draft vocabulary is counted once, on rank 0, and broadcast below
         head = build_head(recipe, target, self.train_set, count_tokens=acc.is_main_process)
         self.target = target if config.online else None  # offline: only the borrowed modules are kept
+        self.target_dtype = dtype_name(target.dtype)  # online: the target's forward; offline: the borrowed modules
         self.aux_layer_ids = head.config.aux_layer_ids
         module = DraftTrainModule(head, target, config.ttt_steps, config.ttt_decay, config.feature_noise,
                                   compile_loss=config.compile_loss).to(device)
@@ -247,7 +248,7 @@ class Trainer:
             stage = acc.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {}).get("stage")
         trainable = sum(getattr(p, "ds_numel", p.numel()) for p in self.head.parameters() if p.requires_grad)
         acc.print(f"[train] engine={self.engine} zero_stage={stage} world_size={acc.num_processes} "
-                  f"device={acc.device} mixed_precision={acc.mixed_precision} "
+                  f"device={acc.device} mixed_precision={acc.mixed_precision} target_dtype={self.target_dtype} "
                   f"trainable_params={trainable:,}")
         assert acc.num_processes == 1 or synced, (
             f"{acc.num_processes} processes but engine {self.engine} does not synchronise gradients"
