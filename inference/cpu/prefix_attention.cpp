@@ -20,7 +20,7 @@
 // depends only on its own query, keys and mask row, whatever the number of queries, so a token's attention does
 // not depend on the tree verified beside it (a token decoded alone and verified in a tree get the same bits).
 //
-// Measurements of this design against the previous ones: results/HISTORY_LONG_CONTEXT.md.
+// Measurements of this design against the previous ones: docs/results/HISTORY_LONG_CONTEXT.md.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

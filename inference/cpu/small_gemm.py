@@ -2,7 +2,7 @@
 small_gemm_avx2.cpp: float32 with AVX2 + FMA), and the linear layers that use them.
 
 Why: a decoding step or a tree verification multiplies a handful of rows by every weight of the model, so it is
-bound by reading the weights once, and PyTorch's linears do not stream them at that size (results/HISTORY.md). Each
+bound by reading the weights once, and PyTorch's linears do not stream them at that size (docs/results/HISTORY.md). Each
 output is summed in the same order whatever the number of rows, so a token's logits do not depend on the tree
 verified beside it. `use_small_row_kernel(model)` turns a model's bf16 (and, asked, float32) `nn.Linear` modules
 into `SmallRowLinear` in place (same parameters and state dict, plus a packed copy of each weight), which use the
@@ -26,7 +26,7 @@ from .kernels import BLOCK, FLOAT_BLOCK, avx2_kernels_available, kernels_availab
 # of oneDNN's time; beyond that the step is no longer bound by the weights)
 KERNEL_ROWS = 16
 # a batch's verify step multiplies rows x tree tokens: the static runner's sessions allow this many, where the kernel
-# still beats oneDNN and MKL (results/HISTORY.md)
+# still beats oneDNN and MKL (docs/results/HISTORY.md)
 BATCH_KERNEL_ROWS = 64
 
 # the row limit inside small_row_kernel() (0: outside); a module global, so a compiled step guards on it (a module
@@ -119,7 +119,7 @@ class SmallRowLinear(nn.Linear):
 
 # ---------------------------------------------------------------------------------------------- int8 drafting
 # A draft only needs to agree with the target often (the target verifies every token it proposes), and its step is
-# bound by reading the weights: an int8 copy of them halves bf16's bytes or quarters float32's (results/HISTORY.md).
+# bound by reading the weights: an int8 copy of them halves bf16's bytes or quarters float32's (docs/results/HISTORY.md).
 
 
 class Int8CopyLinear(nn.Linear):

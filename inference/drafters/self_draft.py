@@ -74,7 +74,7 @@ class StreamingSelfDrafter(Drafter):
             self.vocab_weight = lm_head.weight.detach()[self.vocab].contiguous()  # (K, H)
         # the draft buffers' guards are skipped (compile_step's `unguarded`): each batch size has its own buffers for
         # the drafter's life (begin), and its own graph (the tokens' shape); on CPU the step's many small calls are
-        # made from C++ (cpp_wrapper; results/HISTORY_LONG_CONTEXT.md)
+        # made from C++ (cpp_wrapper; docs/results/HISTORY_LONG_CONTEXT.md)
         device = next(model.parameters()).device
         self._step = (compile_step(self._draft_step, device, name="self_draft", unguarded=("self.cache",),
                                    cpp_wrapper=device.type == "cpu") if compile else self._draft_step)

@@ -2,7 +2,7 @@
 public AttentionInterface so any model that dispatches through it can use it.
 
 Why: on CPU, PyTorch's bf16 SDPA kernel is built for long query blocks and costs several times two small matmuls
-for the 1-64 queries of decoding and tree verification (results/HISTORY.md). Where the CPU has one, the runners use
+for the 1-64 queries of decoding and tree verification (docs/results/HISTORY.md). Where the CPU has one, the runners use
 the C++ kernels (`kernel_attention`: prefix_attention.cpp in bf16, prefix_attention_avx2.cpp in float32), which
 read only the used slots of the buffer in place.
 """
@@ -20,7 +20,7 @@ from ..cpu.kernels import avx2_kernels_available, kernels_available
 NAME = "drafthead_matmul"
 # Inside a compiled step, query blocks up to this size are traced (attend() inline: the compiler fuses the mask,
 # softmax and layout copies around its two matmuls, and no Python op runs per layer) instead of calling the opaque
-# prefix_attention op, which saves the op's per-layer overhead (results/HISTORY.md). Larger blocks (a prompt's
+# prefix_attention op, which saves the op's per-layer overhead (docs/results/HISTORY.md). Larger blocks (a prompt's
 # chunks) and calls with `rows` keep the op, which slices to the used prefix and skips the rows not in use.
 TRACED_MAX_QUERIES = 16
 PREFILL_NAME = "drafthead_sdpa_prefix"
@@ -36,7 +36,7 @@ def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     (B, n, heads, D).
     An opaque op, so a compiled step keeps one static shape while the work follows the sequence length and the
     rows in use. A prefix of the buffer is not contiguous across (row, head) and PyTorch's CPU matmul would copy it
-    first (results/HISTORY_LONG_CONTEXT.md), so the whole buffer is read (the mask hides the unused slots) when the
+    first (docs/results/HISTORY_LONG_CONTEXT.md), so the whole buffer is read (the mask hides the unused slots) when the
     extra scores (queries × unused slots) are fewer than the used slots a slice would copy."""
     used, alive = int(length), int(rows)
     full, heads, n, d = query.shape
@@ -120,7 +120,7 @@ def kernel_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     """The C++ prefix-attention kernels (kernel_op: bf16 with AVX512-BF16, float32 with AVX2; up to
     KERNEL_MAX_QUERIES queries): read the used slots of the buffer in place, each KV head's keys and values once
     for all its queries, float32 softmax; anything else goes to matmul_attention. Faster than the matmuls because
-    it reads only the used slots, once (results/HISTORY.md; float32: results/prefix_attention_avx2_ab_zen3.json)."""
+    it reads only the used slots, once (docs/results/HISTORY.md; float32: docs/results/prefix_attention_avx2_ab_zen3.json)."""
     b, _, n, d = query.shape
     op = _KERNEL_OPS.get(query.dtype)
     if (op is None or n > KERNEL_MAX_QUERIES or attention_mask is None or d not in (32, 64, 128)
@@ -140,7 +140,7 @@ def prefix_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
                           attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
                           drafthead_kv_length: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """PyTorch SDPA over the used prefix of a preallocated buffer only: for long query blocks (a prompt's chunks),
-    where SDPA's fused kernel wins and attending the whole buffer would multiply the work (results/HISTORY_LONG_CONTEXT.md)."""
+    where SDPA's fused kernel wins and attending the whole buffer would multiply the work (docs/results/HISTORY_LONG_CONTEXT.md)."""
     used = int(drafthead_kv_length) if drafthead_kv_length is not None else key.shape[2]
     key, value = key[:, :, :used], value[:, :, :used]
     mask = attention_mask[..., :used] if attention_mask is not None else None
@@ -169,7 +169,7 @@ def kv_length_kwargs(model: nn.Module, kv_length: int | torch.Tensor | None,
 def prefers_matmul_attention(device: torch.device, dtype: torch.dtype, compiled: bool = False) -> bool:
     """True where matmul attention beats SDPA for short query blocks: CPU in bf16/fp16, and CPU in any dtype inside
     compiled steps, where short blocks are traced and fused (eager fp32 SDPA is as fast as the matmuls;
-    results/HISTORY.md)."""
+    docs/results/HISTORY.md)."""
     return device.type == "cpu" and (compiled or dtype in (torch.bfloat16, torch.float16))
 
 

@@ -200,7 +200,7 @@ class StaticRunner:
     def kernel_rows(self) -> int:
         """Up to how many rows x tokens a step's linears multiply with the small-row kernel (0: never). Float32 at
         one row compiled is the exception: inductor's frozen GEMMs beat the kernel there
-        (results/small_gemm_avx2_unrolled_zen3.json)."""
+        (docs/results/small_gemm_avx2_unrolled_zen3.json)."""
         one_row_fp32 = self.rows == 1 and self.compiled and self.dtype == torch.float32
         return 0 if one_row_fp32 or not self.small_rows else BATCH_KERNEL_ROWS
 
