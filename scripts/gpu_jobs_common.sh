@@ -2,7 +2,9 @@
 # a run inside a shared time budget and records its outcome in $O/jobs_status.json as soon as it ends.
 #   STAGE (default /root/stage, the staged machine's folder), REPO (default $STAGE/repo), RESULTS (default
 #   $STAGE/out), PY (default python3), BUDGET_S (seconds for all the jobs, counted from the first), CAP_SCALE
-#   (default 1: every job's own limit times this; a CPU rehearsal on a shared machine runs slower than the GPU).
+#   (default 1: every job's own limit times this; a CPU rehearsal on a shared machine runs slower than the GPU),
+#   ONLY (a comma list of job names: run those alone, e.g. in a later session for the jobs an earlier one did not
+#   reach; set it on the device call that starts the jobs: `ONLY=a,b bash .gpu-stage/N/run.sh`).
 S=${STAGE:-/root/stage}
 REPO=${REPO:-$S/repo}
 O=${RESULTS:-$S/out}
@@ -21,7 +23,9 @@ job() {
   cap=$((cap * ${CAP_SCALE:-1}))
   local limit=$((cap < left ? cap : left))
   local t0=$SECONDS outcome
-  if [ "$limit" -lt "$need" ]; then
+  if [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *",$name,"* ]]; then
+    outcome="skipped: not in ONLY"
+  elif [ "$limit" -lt "$need" ]; then
     outcome="skipped: ${left} s of the budget left, needs ${need}"
   else
     echo "[jobs] $(date -u +%H:%M:%S) $name (at most $limit s): $*"

@@ -29,7 +29,9 @@
 #                                weight-streaming limit (weights read per step / copy bandwidth measured there)
 #                                                                                      -> decode_8b.json
 # Expected ~90 + 40 + 120 + 130 s for 1-4, which leaves 5 about 200 s: the graphed plain step and 3-4 sizes of the
-# curve at ~40 s of compile each (an H100's figure for the 135M target's steps).
+# curve at ~40 s of compile each (an H100's figure for the 135M target's steps). A later session can run the rest
+# with `ONLY=make_8b,decode_8b QUERIES=... bash .gpu-stage/N/run.sh` (a fresh machine holds no 8B target: every
+# 8B job needs make_8b in the same run).
 #
 # CPU rehearsal (CUDA off, the `tiny` shape of the same architecture, a few steps; a few minutes):
 #   REHEARSAL=1 STAGE=/tmp/rehearsal REPO=$PWD PY=.venv/bin/python bash scripts/gpu_jobs_train.sh
