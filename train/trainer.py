@@ -158,9 +158,9 @@ class Trainer:
     """Builds everything from a recipe; `run()` trains to max_steps, resuming when a checkpoint exists.
 
     With train.debug_report the run also records what tests and benchmarks check (which sequences each rank
-    trained on, full parameter sums before and after, peak memory, the time of every step and of its forward,
-    backward and optimizer parts) into output_dir/ranks/rank-<r>.json; without it none of that is kept, computed
-    or synchronised.
+    trained on, full parameter sums before and after, peak memory, the time of every step and of its features,
+    forward, backward and optimizer parts) into output_dir/ranks/rank-<r>.json; without it none of that is kept,
+    computed or synchronised.
     """
 
     def __init__(self, recipe: Recipe | dict):
@@ -368,7 +368,9 @@ class Trainer:
         c, acc = self.config, self.accelerator
         tokens = 0
         for indices in group:
-            batch = self.to_device(next(batches))
+            items = next(batches)
+            with self.timed("features"):  # online: the target's forward; offline: the copy to the device
+                batch = self.to_device(items)
             count = sum(min(self.lengths[i], c.max_length or self.lengths[i]) for i in indices)
             tokens += count
             with acc.accumulate(self.model):
@@ -453,9 +455,10 @@ class DebugReport:
     """train.debug_report: ranks/rank-<r>.json with the engine, world size, the sequences this rank trained on,
     full parameter sums when this run starts training (after a resume: the loaded ones) and at its end (gathered
     under ZeRO-3: collective), the draft vocabulary's checksum, peak memory, and per step
-    its time (validation and checkpoints left out) and the time of its forward, backward and optimizer parts."""
+    its time (validation and checkpoints left out) and the time of its parts: the batch's features (online: the
+    target's forward), the head's forward, backward and optimizer step."""
 
-    PARTS = ("forward", "backward", "optimizer")
+    PARTS = ("features", "forward", "backward", "optimizer")
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
