@@ -33,6 +33,10 @@ class HeadMismatchError(UserError, ValueError):
     """A draft head that does not fit the target it is used with."""
 
 
+class DeviceError(UserError, ValueError):
+    """A device that this machine does not have (e.g. cuda where torch sees no GPU)."""
+
+
 def run_main(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> int:
     """Run a command line's `main(argv)`: a UserError is printed as `error: <message>` (exit status 2); `--debug`
     anywhere in argv (or DRAFTHEAD_DEBUG=1) shows its traceback too."""

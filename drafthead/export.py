@@ -1,6 +1,9 @@
-"""Export a native head folder to the layout vLLM and SGLang load (see shared/reference/checkpoint-format.md).
+"""Export a native head folder to the layout vLLM and SGLang load, or to llama.cpp's GGUF (export_gguf.py).
 
     python -m drafthead.export runs/x/head runs/x/eagle3-serving [--format eagle3|eagle1] [--force]
+    python -m drafthead.export runs/x/head runs/x/head.gguf --format gguf --target TARGET_DIR [--outtype f32]
+
+The serving layout follows shared/reference/checkpoint-format.md:
 
 EAGLE-3: tensors fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t, t2d (the native names already);
          config.json with architectures ["LlamaForCausalLMEagle3"] and both aux-layer keys:
@@ -24,6 +27,7 @@ import torch
 
 from .checkpoint import load_head, stored_dtype, write_head_folder
 from .config import HeadConfig
+from .export_gguf import OUTTYPES, export_gguf
 from .format import ARCHITECTURES, FORMATS, NATIVE_KEY, rope_parameters, rope_type, serving_tensor_names, vllm_aux_ids
 from .model import DraftHead
 from .utils import dtype_name
@@ -119,16 +123,24 @@ def export_head(src: str | Path | DraftHead, out: str | Path, fmt: str | None = 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m drafthead.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("src", help="native head folder (config.json + model.safetensors)")
-    parser.add_argument("out", help="output folder for vLLM / SGLang")
-    parser.add_argument("--format", choices=FORMATS, default=None, help="default: the head's own kind")
+    parser.add_argument("out", help="output folder for vLLM / SGLang, or the .gguf file for llama.cpp")
+    parser.add_argument("--format", choices=(*FORMATS, "gguf"), default=None, help="default: the head's own kind")
+    parser.add_argument("--target", default=None, help="gguf: the target's model folder (config and tokenizer)")
+    parser.add_argument("--outtype", choices=sorted(OUTTYPES), default=None,
+                        help="gguf: the matrices' type (default: the head's own dtype)")
     parser.add_argument("--force", action="store_true", help="replace an existing non-empty OUT")
     args = parser.parse_args(argv)
+    if args.format != "gguf" and (args.target or args.outtype):
+        parser.error("--target and --outtype belong to --format gguf")
     try:
-        out = export_head(args.src, args.out, args.format, args.force)
+        if args.format == "gguf":
+            out = export_gguf(args.src, args.out, args.target, args.outtype, args.force)
+        else:
+            out = export_head(args.src, args.out, args.format, args.force)
     except (ExportValidationError, FileExistsError, FileNotFoundError, ValueError) as err:
         print(f"export failed: {err}", file=sys.stderr)
         return 1
-    print(f"wrote and validated {out}")
+    print(f"wrote {out}" if args.format == "gguf" else f"wrote and validated {out}")
     return 0
 
 

@@ -7,12 +7,13 @@ from typing import Callable
 
 import torch
 
+from drafthead.errors import DeviceError
 from drafthead.utils import parse_dtype
 
 
 def cpu_has_bf16() -> bool:
     """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX); without it bf16 matmuls are emulated
-    and a multi-token forward runs several times slower than fp32 (results/HISTORY.md)."""
+    and a multi-token forward runs several times slower than fp32 (docs/results/HISTORY.md)."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -28,6 +29,20 @@ def auto_dtype(device: str | torch.device) -> torch.dtype:
     if device.type == "cpu":
         return torch.bfloat16 if cpu_has_bf16() else torch.float32
     return torch.float32
+
+
+def resolve_device(name: str | torch.device | None, local_rank: int = 0) -> torch.device:
+    """'auto' (or None) -> this process's CUDA device when CUDA is present, else the CPU; a plain 'cuda' in a
+    multi-process launch -> cuda:<local_rank>; anything else as given ('cpu', 'cuda:1', ...)."""
+    if name is None or name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(f"device {name!r}: CUDA is not available here (torch {torch.__version__}); "
+                          "use device=auto or device=cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+    return device
 
 
 def resolve_dtype(name: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:

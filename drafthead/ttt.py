@@ -9,7 +9,7 @@ The attention of step i is computed as that structure, not as a dense mask over 
 L × L block against the step-0 keys, plus one score per later block (query t against that block's key t), all
 under one softmax (`ttt_attention`). A dense masked attention does (i+1) times the work of the first block; over
 7 steps that is 28 blocks where this does 7 plus the diagonals (the attention's share of a training step fell about
-fourfold: results/HISTORY.md).
+fourfold: docs/results/HISTORY.md).
 """
 
 from __future__ import annotations

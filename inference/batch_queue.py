@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from .decode import Request
 from .runners.static import StaticRunner
@@ -21,13 +22,8 @@ from .runners.static import StaticRunner
 
 def left_pad(prompts: Sequence[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """1-D prompts -> left-padded input_ids (B, T) and attention_mask (B, T), on the prompts' device."""
-    width = max(len(p) for p in prompts)
-    device = prompts[0].device
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = p
-        mask[i, width - len(p):] = 1
+    ids = pad_sequence([p.long() for p in prompts], batch_first=True, padding_value=pad, padding_side="left")
+    mask = pad_sequence([torch.ones_like(p, dtype=torch.long) for p in prompts], batch_first=True, padding_side="left")
     return ids, mask
 
 

@@ -4,12 +4,10 @@ Every row drafts its tree, the target verifies all rows' trees in ONE forward, e
 and rows that stop leave the batch, or, with a queue of waiting requests (continuous batching), hand their row to
 the next request.
 
-Host syncs per step: the accepted paths and tokens of every row, moved to the host in one transfer (verify.py;
-sampling walks each row's tree on the host instead); with `profile` on CUDA, one more between drafting and
-verification to split their times. A row that stops takes the next waiting request, if any: its prefilled KV is
-copied into the row (runner.admit) and the drafter starts that row afresh (drafter.admit). Without waiting
-requests, a row that stops leaves at once: the rows still decoding stay the leading rows of the runner's buffers
-(a row from the back fills the place of a row that stopped, the only KV copied).
+Host syncs per step: the accepted paths and tokens of every row, in one transfer (verify.py; sampling walks each
+row's tree on the host instead). A row that stops takes the next waiting request, if any (runner.admit and
+drafter.admit); without waiting requests it leaves at once, a row from the back taking its place, so the rows still
+decoding stay the leading rows of the runner's buffers.
 """
 
 from __future__ import annotations

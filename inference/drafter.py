@@ -4,17 +4,13 @@ The decode loop (decode.py) owns the target runner, the verification rule (verif
 drafter owns only its own state (a head's KV, a draft model's KV, n-gram indexes) and may read the target runner's
 buffers (a self-speculative draft refreshes its KV from them):
 
-    drafter.begin(runner, input_ids, attention_mask, features)  after the target's prefill of left-padded prompts;
-                                                               features: the target's hidden states at
-                                                               `feature_layers` (B, T, F), or None
-    tree = drafter.propose(roots, params, generator)           roots (B,): each row's last emitted token
-    drafter.skip(roots)                                        instead of propose: a plain step (the roots alone
-                                                               are verified; switch.py); the drafter keeps up
-    drafter.accept(accepted, features)                         after the runner committed the accepted paths
-                                                               (Accepted), features (B, n, F) at the tree's nodes
-    drafter.keep_rows(rows)                                    rows finished: keep only `rows` (indices)
-    drafter.admit(row, runner, ids, features)                  row `row` holds a new prompt (ids (T,)) in the
-                                                               runner, its features (T, F) or None
+    begin(runner, input_ids, attention_mask, features)  after the target's prefill of left-padded prompts; features
+                                                        (B, T, F): the target's outputs at `feature_layers`, or None
+    propose(roots, params, generator) -> DraftTree      roots (B,): each row's last emitted token
+    skip(roots)                                         a plain step instead of propose (switch.py): keep up
+    accept(accepted, features)                          the runner committed the Accepted paths; features (B, n, F)
+    keep_rows(rows)                                     rows finished: keep only `rows` (indices)
+    admit(row, runner, ids, features)                   row `row` holds a new prompt (ids (T,), features (T, F))
 
 A proposed DraftTree (tree.py) holds each row's tokens, parents, depths and ancestors; for speculative sampling
 with a stochastic drafter also `q`, the distribution each node was drawn from (deterministic drafters leave it None:
@@ -62,7 +58,8 @@ class Accepted:
 
 @runtime_checkable
 class Drafter(Protocol):
-    """See the module docstring."""
+    """See the module docstring. A class that subclasses it inherits the defaults of a drafter without state: no
+    session, and begin, skip, accept, keep_rows and admit doing nothing."""
 
     name: str
     tree_size: int  # the largest tree propose() returns (root included): the runner's buffers make room for it
@@ -75,7 +72,7 @@ class Drafter(Protocol):
 
     def session(self) -> contextlib.AbstractContextManager:
         """Context around one generation (a draft model's attention kernel, as the target runner's session)."""
-        ...
+        return contextlib.nullcontext()
 
     def begin(self, runner, input_ids: torch.Tensor, attention_mask: torch.Tensor,
               features: torch.Tensor | None) -> None: ...
@@ -92,7 +89,7 @@ class Drafter(Protocol):
     def admit(self, row: int, runner, ids: torch.Tensor, features: torch.Tensor | None) -> None: ...
 
 
-class PlainDrafter:
+class PlainDrafter(Drafter):
     """Drafts nothing: every tree is the root alone, so the loop decodes one token per target step (the engine's
     own plain decoding, the baseline that separates what the runner buys from what speculation buys)."""
 
@@ -101,23 +98,5 @@ class PlainDrafter:
     origin_names: tuple[str, ...] = ()
     feature_layers: list[int] = []
 
-    def session(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def begin(self, runner, input_ids, attention_mask, features) -> None:
-        pass
-
     def propose(self, roots, params=None, generator=None) -> DraftTree:
         return DraftTree.chain(roots)
-
-    def skip(self, roots) -> None:
-        pass
-
-    def accept(self, accepted, features) -> None:
-        pass
-
-    def keep_rows(self, rows) -> None:
-        pass
-
-    def admit(self, row, runner, ids, features) -> None:
-        pass

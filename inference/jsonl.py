@@ -7,10 +7,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
-def iter_jsonl(path: str | Path, limit: int | None = None) -> Iterator[tuple[int, dict]]:
-    """(line number, row) for each non-empty line, up to line `limit`; SystemExit naming file:line on bad JSON."""
+def iter_jsonl(path: str | Path, limit: int | None = None,
+               error: type[BaseException] = SystemExit) -> Iterator[tuple[int, dict]]:
+    """(line number, row) for each non-empty line, up to line `limit`; `error` (SystemExit for a command line)
+    naming file:line on bad JSON."""
     path = Path(path)
-    with path.open() as f:
+    with path.open(encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if limit is not None and n > limit:
                 break
@@ -19,4 +21,4 @@ def iter_jsonl(path: str | Path, limit: int | None = None) -> Iterator[tuple[int
             try:
                 yield n, json.loads(line)
             except json.JSONDecodeError as e:
-                raise SystemExit(f"{path}:{n}: not valid JSON ({e})")
+                raise error(f"{path}:{n}: not valid JSON ({e})") from None

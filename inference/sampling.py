@@ -27,14 +27,8 @@ class SamplingParams:
     top_p: float = 1.0
 
     @classmethod
-    def make(
-        cls,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        do_sample: bool | None = None,
-        generation_config: Any | None = None,
-    ) -> "SamplingParams":
+    def make(cls, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+             do_sample: bool | None = None, generation_config: Any | None = None) -> "SamplingParams":
         """Explicit arguments win over `generation_config`; None falls back to generate's defaults.
 
         Without an explicit do_sample, sampling is on iff an explicit temperature > 0 was given, else it follows

@@ -7,12 +7,11 @@ a fixed batch, where the slowest rows finish alone), a plain step, every row's r
 tokens a second. Both kinds of step are exact (a plain step is the verification of a tree holding only the root),
 so the output does not depend on the choice: only the speed does.
 
-The switch keeps, per number of rows in use, the seconds of recent steps of each kind (the least of the last few:
-a step that compiled a graph or met a slow spell of a shared machine stops counting once another is seen), and per request its tokens
-per speculative step (a running mean). It speculates when the rows' expected tokens per speculative step over its
-seconds beat the rows per plain step over its seconds. A kind it has no measurement of, for the current number of
-rows, is tried once (speculation first); the kind not chosen is tried again every `recheck_every` steps, as
-costs and acceptance drift (contexts grow, requests change).
+The switch keeps, per number of rows in use, the seconds of recent steps of each kind (the least of the last few,
+so a step that compiled a graph or met a slow spell stops counting), and per request its tokens per speculative
+step (a running mean). It speculates when the rows' expected tokens per speculative second beat the rows per plain
+second. A kind not yet measured at the current number of rows is tried once (speculation first); the kind not
+chosen is tried again every `recheck_every` steps, as costs and acceptance drift.
 """
 
 from __future__ import annotations

@@ -76,13 +76,11 @@ def residual(r: torch.Tensor, token: int, q: torch.Tensor | None) -> torch.Tenso
     return (r - q).clamp_min(0)
 
 
-def verify_sampling(
-    probs: torch.Tensor,  # (n, V) processed target probabilities at every node of a one-row tree
-    tree: DraftTree,
-    generator: torch.Generator | None = None,
-) -> tuple[list[int], list[int]]:
-    """Recursive rejection sampling down a one-row tree (see the module docstring for the exactness argument).
-    Returns the accepted node indices (root first) and the emitted tokens (accepted drafts + the bonus)."""
+def verify_sampling(probs: torch.Tensor, tree: DraftTree,
+                    generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
+    """Recursive rejection sampling down a one-row tree (see the module docstring for the exactness argument), with
+    probs (n, V) the processed target probabilities at every node. Returns the accepted node indices (root first)
+    and the emitted tokens (accepted drafts + the bonus)."""
     kids = children_lists(tree)
     token_ids = tree.tokens[0].tolist()
     node, path = 0, [0]

@@ -2,17 +2,24 @@
 
     python scripts/bench_train.py --out runs/bench_train.json [--device cpu|cuda --processes 1,2 --seq-len 1024
                                   --steps 4 --sequences 8 --loss-fraction 0.7 --set train.compile_loss=false]
+    python scripts/bench_train.py --online --target TARGET --accelerate configs/accelerate/gpu_zero3.yaml \
+        --processes 1 --recipe configs/smollm2-135m-eagle3-gpu.yaml --out runs/bench_train_zero3.json
 
-Uses the real target (SmolLM2-135M-Instruct, for the head's shape, embedding and output layer) and a small
-SYNTHETIC feature folder (random bf16 hidden states of the right widths, random tokens, the loss mask over the
-last --loss-fraction of each sequence as after a prompt), so it measures the trainer's cost, not learning.
+Uses the real target (the recipe's, or --target: for the head's shape, embedding and output layer) and SYNTHETIC
+data, so it measures the trainer's cost, not learning: offline, a small feature folder (random bf16 hidden states
+of the right widths, random tokens); --online, prepared sequences of random tokens that the target turns into
+features inside every step (train.online, as the GPU recipe trains). The loss mask covers the last
+--loss-fraction of each sequence, as after a prompt.
 Every run: EAGLE-3, draft vocab and max_length from the recipe, ttt_steps from
 the recipe, bf16, batch_size 1 (one sequence of --seq-len tokens per micro-batch and rank), grad_accum 1.
-The multi-process run is DeepSpeed ZeRO-2 through accelerate (gloo on CPU, NCCL on CUDA). Everything is read from
+The multi-process run is DeepSpeed ZeRO-2 through accelerate (gloo on CPU, NCCL on CUDA); --accelerate launches
+every run through accelerate with the given config (e.g. ZeRO-3 on one GPU). Everything is read from
 the trainer's debug report (ranks/rank-<r>.json), over the steps after the first: tokens/s is the median of all
-ranks' tokens over the slowest rank's step time; overhead_fraction is the share of step time outside the timed
-forward, backward and optimizer parts (data loading, host syncs, logging; device-synchronised timers); peak RSS and
-(on CUDA) peak allocated GPU memory are the largest rank's.
+ranks' tokens over the slowest rank's step time; features_fraction is the share of step time spent making the
+batch's features (online: the target's forward), head_fraction the share in the head's forward, backward and
+optimizer step, overhead_fraction the rest (data loading, host syncs, logging; device-synchronised timers);
+step_seconds lists every step's time (slow steps show there); peak RSS and (on CUDA) peak allocated GPU memory are
+the largest rank's. The JSON is rewritten after every run.
 """
 
 from __future__ import annotations
@@ -51,6 +58,20 @@ def synthetic_features(folder: Path, target_path: str, aux: list[int], hidden: i
     writer.write_shard(0, seqs)
 
 
+def synthetic_prepared(folder: Path, vocab: int, n: int, seq_len: int, loss_fraction: float = 1.0) -> None:
+    """n prepared sequences (train split, as train.prepare writes them) of seq_len random tokens; the loss mask
+    covers the last loss_fraction of each."""
+    from datasets import Dataset, DatasetDict, Features, List, Value
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (n, seq_len), generator=gen).tolist()
+    mask = (torch.arange(seq_len) >= round(seq_len * (1 - loss_fraction))).tolist()
+    features = Features({"id": Value("string"), "input_ids": List(Value("int32")), "loss_mask": List(Value("bool"))})
+    train = Dataset.from_dict({"id": [str(i) for i in range(n)], "input_ids": ids, "loss_mask": [mask] * n},
+                              features=features)
+    DatasetDict(train=train).save_to_disk(str(folder))
+
+
 def run(cmd: list[str], env: dict) -> None:
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -63,10 +84,14 @@ def measure(output_dir: Path) -> dict:
     steps = list(zip(*(r["steps"] for r in ranks)))[1:] or list(zip(*(r["steps"] for r in ranks)))  # per step, ranks
     seconds = [max(s["seconds"] for s in step) for step in steps]
     tokens = [sum(s["tokens"] for s in step) for step in steps]
-    timed = sum(s["forward"] + s["backward"] + s["optimizer"] for step in steps for s in step)
+    total = sum(s["seconds"] for step in steps for s in step)
+    features = sum(s.get("features", 0.0) for step in steps for s in step)
+    head = sum(s["forward"] + s["backward"] + s["optimizer"] for step in steps for s in step)
     result = {"tokens_per_s": statistics.median(t / s for t, s in zip(tokens, seconds)),
               "tokens_per_step": tokens[-1], "seconds_per_step": statistics.median(seconds),
-              "overhead_fraction": 1 - timed / sum(s["seconds"] for step in steps for s in step),
+              "features_fraction": features / total, "head_fraction": head / total,
+              "overhead_fraction": 1 - (features + head) / total,
+              "step_seconds": [round(s, 4) for s in seconds],
               "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks), "engine": ranks[0]["engine"],
               "world_size": ranks[0]["world_size"], "device": ranks[0]["device"],
               "losses": {r["step"]: r["loss"] for r in log}}
@@ -78,6 +103,12 @@ def measure(output_dir: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default=str(REPO / "configs" / "smollm2-135m-eagle3.yaml"))
+    parser.add_argument("--target", default=None, help="target model folder (default: the recipe's)")
+    parser.add_argument("--online", action="store_true",
+                        help="the target in the loop: synthetic prepared tokens, features made every step")
+    parser.add_argument("--accelerate", default=None, metavar="CONFIG",
+                        help="launch every run through accelerate with this config (default: one process plain, "
+                             "several with configs/accelerate/<device>_zero2.yaml)")
     parser.add_argument("--out", default="runs/bench_train.json")
     parser.add_argument("--seq-len", type=int, default=None, help="default: the recipe's train.max_length")
     parser.add_argument("--steps", type=int, default=4)
@@ -99,7 +130,8 @@ def main() -> None:
     from transformers import AutoConfig
 
     recipe = load_recipe(args.recipe)
-    cfg = AutoConfig.from_pretrained(recipe.target).get_text_config()
+    target = args.target or recipe.target
+    cfg = AutoConfig.from_pretrained(target).get_text_config()
     aux = recipe.head.aux_layer_ids or default_aux_layer_ids(cfg.num_hidden_layers)
     seq_len = args.seq_len or recipe.train.max_length
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
@@ -112,7 +144,8 @@ def main() -> None:
     tcmalloc = next((p for p in TCMALLOC if p.exists()), None)
     if tcmalloc:
         env["LD_PRELOAD"] = str(tcmalloc)
-    results = {"target": recipe.target, "seq_len": seq_len, "steps": args.steps,
+    results = {"target": target, "online": args.online, "accelerate": args.accelerate, "seq_len": seq_len,
+               "steps": args.steps,
                "draft_vocab_size": recipe.head.draft_vocab_size, "ttt_steps": recipe.train.ttt_steps,
                "loss_fraction": args.loss_fraction, "mixed_precision": args.precision, "device": args.device,
                "cpu_count": os.cpu_count(),
@@ -120,24 +153,30 @@ def main() -> None:
                "overrides": args.set, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
         tmp = Path(tmp)
-        synthetic_features(tmp / "features", recipe.target, aux, cfg.hidden_size, cfg.vocab_size,
-                           args.sequences, seq_len, args.loss_fraction)
+        if args.online:
+            synthetic_prepared(tmp / "prepared", cfg.vocab_size, args.sequences, seq_len, args.loss_fraction)
+            data = ["train.online=true", f"data.prepared_dir={tmp / 'prepared'}"]
+        else:
+            synthetic_features(tmp / "features", target, aux, cfg.hidden_size, cfg.vocab_size,
+                               args.sequences, seq_len, args.loss_fraction)
+            data = ["train.online=false", f"features.dir={tmp / 'features'}"]
         for nproc in [int(p) for p in args.processes.split(",")]:
             out = tmp / f"out{nproc}"
-            overrides = [f"features.dir={tmp / 'features'}", f"train.output_dir={out}", f"train.max_steps={args.steps}",
+            overrides = [f"target={target}", *data, f"train.output_dir={out}", f"train.max_steps={args.steps}",
                          "train.batch_size=1", "train.grad_accum=1", f"train.mixed_precision={args.precision}",
                          f"train.max_length={seq_len}", "train.save_every=1000000", "train.eval_every=1000000",
                          "train.warmup_steps=1", "train.debug_report=true", *args.set]  # ranks/*.json: step times
-            if nproc == 1:
+            launch = args.accelerate or (None if nproc == 1 else
+                                         f"configs/accelerate/{'gpu' if args.device == 'cuda' else 'cpu'}_zero2.yaml")
+            if launch is None:
                 cmd = [sys.executable, "-m", "train", args.recipe, *overrides]
             else:
-                cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-                       f"configs/accelerate/{'gpu' if args.device == 'cuda' else 'cpu'}_zero2.yaml", "--num_processes",
-                       str(nproc), "-m", "train", args.recipe, *overrides]
+                cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", launch,
+                       "--num_processes", str(nproc), "-m", "train", args.recipe, *overrides]
             run(cmd, {**env, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))})
             results["runs"][f"{nproc}proc"] = measure(out)
             print(json.dumps({f"{nproc}proc": results["runs"][f"{nproc}proc"]}), flush=True)
-    atomic_write_json(args.out, results)
+            atomic_write_json(args.out, results)
     print(f"wrote {args.out}")
 
 

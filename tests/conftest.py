@@ -38,7 +38,7 @@ def pytest_configure(config):
         avx2_kernels_available()
 
 
-# The modules that take longest (results/test_durations_avx2_zen3.json), run first: xdist hands each worker whole
+# The modules that take longest (docs/results/test_durations_avx2_zen3.json), run first: xdist hands each worker whole
 # modules (--dist loadscope --no-loadscope-reorder) in this order, so no long module is left for the end while the
 # other worker idles.
 LONGEST_FIRST = ("test_distributed", "test_static_runner", "test_inference_trained", "test_batch", "test_trainer",

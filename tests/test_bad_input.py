@@ -31,7 +31,7 @@ PY = sys.executable
 
 # one wrong value in each section of a recipe, and what the message must say about it
 WRONG = {
-    "device=gpu": "recipe key device = 'gpu': expected a device: cpu, cuda, cuda:1, ...",
+    "device=gpu": "recipe key device = 'gpu': expected auto or a device: cpu, cuda, cuda:1, ...",
     "dtype=fp8": "recipe key dtype = 'fp8': expected one of 'auto'",
     "data.max_length=long": "recipe key data.max_length = 'long': expected an integer (>= 2)",
     "data.regenerate.top_p=2": "recipe key data.regenerate.top_p = 2: expected a number (> 0 and <= 1)",

@@ -443,19 +443,26 @@ def test_grid_cell_methods_decode_the_same_rows():
     assert cell["methods"]["self"]["admit_s"] > 0
 
 
-def test_verify_cost_script_times_every_size():
-    """scripts/verify_cost.py times one verify step per size on the batch runner, the sizes in turn."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "verify_cost.py"
-    spec = importlib.util.spec_from_file_location("verify_cost", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_verify_steps_of_several_sizes_on_a_full_buffer_commit_nothing():
+    """runner.verify of n chained tokens per row (n = 1 and 3) over 20 held entries, as a cost measurement runs it:
+    each returns one row of logits per token and leaves the committed lengths alone."""
     runner = StaticRunner(tiny_model("llama"), [])
-    times = module.measure(runner, batch=2, context=20, queries=[1, 3], rounds=2)
-    assert sorted(times) == [1, 3] and all(len(t) == 2 and min(t) > 0 for t in times.values())
-    assert runner.length.tolist() == [20, 20]  # verify steps only: nothing committed
+    batch, context = 2, 20
+    runner.reset(batch, context + 4)
+    gen = torch.Generator().manual_seed(0)
+    for keys, values in runner.layers():
+        keys.normal_(generator=gen)
+        values.normal_(generator=gen)
+    runner.start = torch.zeros(batch, dtype=torch.long)
+    runner.length = torch.full((batch,), context, dtype=torch.long)
+    with runner.session(), torch.inference_mode():
+        for n in (1, 3, 1):
+            tokens = torch.randint(0, runner.model.config.vocab_size, (batch, n), generator=gen)
+            depths = torch.arange(n).expand(batch, n)
+            chain = torch.ones(n, n, dtype=torch.bool).tril().expand(batch, n, n)
+            logits, _, argmax = runner.verify(tokens, depths, chain)
+            assert logits.shape[:2] == argmax.shape == (batch, n) and torch.isfinite(logits.float()).all()
+    assert runner.length.tolist() == [context, context]  # verify steps only: nothing committed
 
 
 def test_self_draft_vocabulary_drafts_only_its_tokens():

@@ -12,16 +12,27 @@ from test_batch import assert_rows_match, left_padded, row_prompts
 from test_inference_greedy import TREES, near_bigram_target, random_head
 
 from inference import SpeculativeGenerator
-from inference.drafters.lookup import LookupBranch, NgramIndex, lookup_continuation
+from inference.drafters.lookup import LookupBranch, NgramIndex
 from inference.tree import DraftTree
 from inference.drafters.self_draft import StreamingSelfDrafter
 
 torch.set_num_threads(1)
 
 
+def scan_continuation(context: list[int], num_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """The reference: the tokens after the most recent earlier match of the context's last n tokens (longest n
+    first), found by scanning the context; [] if none. A match must be followed by at least one token."""
+    end = len(context)
+    for n in range(min(max_ngram, end - 1), min_ngram - 1, -1):
+        for start in range(end - n - 1, -1, -1):  # latest match first; a match must leave a token after it
+            if context[start: start + n] == context[end - n:]:
+                return context[start + n: start + n + num_tokens]
+    return []
+
+
 def test_ngram_index_finds_what_a_scan_finds():
     """At every prefix of random short-alphabet texts (many repeats), for several chain lengths and n-gram ranges,
-    the incremental index gives prompt_lookup.lookup_continuation's answer, also after tokens are appended."""
+    the incremental index gives scan_continuation's answer, also after tokens are appended."""
     rng = random.Random(0)
     for trial in range(20):
         text = [rng.randrange(4 if trial % 2 else 9) for _ in range(60)]
@@ -29,7 +40,7 @@ def test_ngram_index_finds_what_a_scan_finds():
             index = NgramIndex(text[:5], max_ngram)
             for end in range(5, len(text) + 1):
                 for num in (1, 4):
-                    assert index.continuation(num, min_ngram) == lookup_continuation(
+                    assert index.continuation(num, min_ngram) == scan_continuation(
                         text[:end], num, max_ngram, min_ngram), (trial, end, max_ngram, min_ngram, num)
                 if end < len(text):
                     index.extend([text[end]])

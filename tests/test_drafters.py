@@ -15,7 +15,7 @@ from tiny import tiny_model, tiny_tokenizer
 import inference.verify
 from inference import SamplingParams, SpeculativeGenerator, TreeOptions
 from inference.drafters.draft_model import DraftModelDrafter, TokenizerMismatchError, check_same_tokenizer
-from inference.drafters.lookup import LookupBranch, lookup_continuation, prompt_lookup
+from inference.drafters.lookup import LookupBranch, NgramIndex, prompt_lookup
 from inference.sampling import target_probs
 from inference.tree import DraftTree, ancestor_matrix
 from inference.verify import verify_sampling
@@ -37,13 +37,13 @@ def assert_greedy_lossless(target, gen: SpeculativeGenerator, n_prompts: int = 8
 
 
 # ----------------------------------------------------------------------------------------------- prompt lookup
-def test_lookup_continuation_prefers_longest_then_latest_match():
+def test_lookup_prefers_longest_then_latest_match():
     ctx = [5, 6, 7, 8, 1, 6, 7, 9, 2, 5, 6, 7]
-    assert lookup_continuation(ctx, 3, max_ngram=3) == [8, 1, 6]  # the 3-gram 5 6 7 matches only at the start
-    assert lookup_continuation(ctx, 3, max_ngram=2) == [9, 2, 5]  # the 2-gram 6 7: latest earlier match first
-    assert lookup_continuation(ctx + [4], 3) == []  # 4 never occurred before
-    assert lookup_continuation([3, 3, 3], 5, max_ngram=2) == [3]  # the match must be followed by a token
-    assert lookup_continuation(ctx, 2, max_ngram=3, min_ngram=3) == [8, 1]
+    assert NgramIndex(ctx, 3).continuation(3) == [8, 1, 6]  # the 3-gram 5 6 7 matches only at the start
+    assert NgramIndex(ctx, 2).continuation(3) == [9, 2, 5]  # the 2-gram 6 7: latest earlier match first
+    assert NgramIndex(ctx + [4], 3).continuation(3) == []  # 4 never occurred before
+    assert NgramIndex([3, 3, 3], 2).continuation(5) == [3]  # the match must be followed by a token
+    assert NgramIndex(ctx, 3).continuation(2, min_ngram=3) == [8, 1]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])

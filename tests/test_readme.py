@@ -167,13 +167,13 @@ def _recipe_key_exists(dotted: str) -> bool:
 
 def _readme_overrides() -> set[str]:
     """Keys of `key=value` / `section.key=value` overrides in the README: every token of a shell line that runs a
-    recipe job (`-m train...`) or builds an override list (`O="..."`), and inline code spans such as
+    recipe job (`-m train...`) or builds an override list (`O="..."`, `S="..."`), and inline code spans such as
     `data.conversations=...`."""
     text = _text(README)
     keys: set[str] = set()
     for block in _code_blocks(text, ("bash", "sh", "")):
         for line in block.splitlines():
-            if not (re.search(r"-m train\b", line) or re.match(r"\s*O=", line)):
+            if not (re.search(r"-m train\b", line) or re.match(r"\s*[A-Z]+=", line)):
                 continue
             for token in line.split():
                 token = re.sub(r'^[A-Z]+="?', "", token).strip("\"'")

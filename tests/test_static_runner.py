@@ -211,6 +211,33 @@ def test_compiled_runner_is_lossless_without_recompiles(compiled):
 
 
 @pytest.mark.slow
+def test_compiled_drafting_step_is_lossless_without_recompiles():
+    """The head drafter's steady step (feed the accepted pairs, expand every depth, select) as one compiled graph
+    beside an eager-verifying static runner: greedy output identical to generate, the prompt's feed eager (prompts
+    of other lengths compile nothing new once warm), the graph used on every step after the first."""
+    from torch._dynamo.utils import counters
+
+    from inference.drafters.eagle import HeadDrafter
+
+    target = near_bigram_target("llama", num_layers=1)
+    head = oracle_head(target).attach_target(target)
+    drafter = HeadDrafter(head, TreeOptions(depth=2, top_k=2, total_tokens=4), compile=True)
+    calls = []
+    step = drafter._step
+    drafter._step = lambda roots: calls.append(1) or step(roots)
+    gen = SpeculativeGenerator(target, drafter, runner=StaticRunner(target, head.config.aux_layer_ids))
+    gen.warmup(192)
+    graphs = counters["stats"]["unique_graphs"]
+    for ids in prompts(3, 320, seed=6) + [torch.randint(3, 320, (1, 77), generator=torch.Generator().manual_seed(7))]:
+        calls.clear()
+        ref = target.generate(ids, do_sample=False, max_new_tokens=20)
+        out = gen.generate(ids, max_new_tokens=20)
+        assert torch.equal(out.sequences, ref), ids.tolist()
+        assert out.stats.mean_accepted > 1.5 and len(calls) == out.stats.target_forwards - 2  # all but the first
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.slow
 def test_compiled_verify_steps_follow_their_buffers_when_they_grow():
     """The compiled steps skip the guards on the KV buffers (compile_step's `unguarded`): a sequence longer than
     the warmed-up buffers grows them, and the target's compiled steps are rebuilt for the new buffers (still equal

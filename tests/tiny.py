@@ -99,3 +99,37 @@ def tiny_head(target, kind: str = "eagle3", draft_vocab_size: int = 200, seed: i
             head.d2t.copy_(d2t)
             head.t2d.copy_(t2d)
     return head.eval()
+
+
+SMOLLM2_VOCAB = 49152
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def tiny_gguf_case(folder, smollm2_dir):
+    """A tiny EAGLE-3 head exported to `folder`/tiny-eagle3-head and its target `folder`/tiny-target: a tiny Llama
+    config of SmolLM2's vocabulary with SmolLM2's tokenizer files (llama.cpp's GGUF converter knows only real
+    tokenizers). Returns (head folder, target folder, head); tests/data/eagle3_gguf_manifest.json is made from it."""
+    import shutil
+    from pathlib import Path
+
+    from drafthead.export import export_head
+
+    folder, smollm2_dir = Path(folder), Path(smollm2_dir)
+    target = tiny_model("llama", vocab_size=SMOLLM2_VOCAB)
+    head = tiny_head(target, "eagle3")
+    target.config.save_pretrained(folder / "tiny-target")
+    for name in TOKENIZER_FILES:
+        shutil.copy(smollm2_dir / name, folder / "tiny-target" / name)
+    export_head(head, folder / "tiny-eagle3-head")
+    return folder / "tiny-eagle3-head", folder / "tiny-target", head
+
+
+def state_sha256(head) -> str:
+    """sha256 of a head's saved tensors (names and bytes): tells a changed tiny head from a changed writer."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(head.saved_state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

@@ -30,6 +30,7 @@ from tqdm import tqdm
 from drafthead.capture import HiddenStateCapture, decoder_layers
 from drafthead.config import default_aux_layer_ids
 from drafthead.errors import DataError, PathNotFound
+from drafthead.hardware import resolve_device
 from drafthead.utils import atomic_write_json, dtype_name
 from train.features import MANIFEST, FeatureWriter, Sequence, shard_name
 from train.fingerprint import split_fingerprint, weights_fingerprint
@@ -152,15 +153,15 @@ def collect(recipe: Recipe | dict) -> dict:
     recipe = parse_recipe(recipe)
     feats = recipe.features
     rank, world, local_rank = rank_and_world()
-    device = torch.device(recipe.device)
-    if device.type == "cuda" and device.index is None and world > 1:
-        device = torch.device("cuda", local_rank)
+    device = resolve_device(recipe.device, local_rank)
     prepared = Path(recipe.data.prepared_dir)
     if not prepared.exists():
         raise PathNotFound(f"{prepared} not found: run `python -m train.prepare RECIPE` first")
     data = load_from_disk(str(prepared))
     # features are stored bf16 either way; 'auto' computes them in bf16 only where the hardware is native bf16
     model = load_target(recipe.target, device=device, dtype=feats.target_dtype or recipe.dtype)
+    print(f"[collect] device={device} dtype={dtype_name(model.dtype)} target={recipe.target} rank {rank}/{world}",
+          flush=True)
     aux = recipe.head.aux_layer_ids or default_aux_layer_ids(len(decoder_layers(model)))
     header = {"target": target_name(recipe.target), "target_config_hash": target_config_hash(recipe.target),
               "target_weights": weights_fingerprint(recipe.target),

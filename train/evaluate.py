@@ -10,7 +10,7 @@ tau_decode = what greedy chain decoding would measure (tokens per target forward
          the chain's accepted tokens there plus the target's own token, and the next forward starts right after
          them, so the chains counted are only those decoding would start. tau averages every start position alike;
          decoding spends few forwards on easy stretches and many on hard ones, so tau_decode is lower (the figure
-         to compare with the engine's tau on a chain tree, e.g. scripts/tau_table.py --tree 7,1,7).
+         to compare with the engine's tau on a chain tree, e.g. `python -m inference.bench --tree 7,1,7`).
 """
 
 from __future__ import annotations

@@ -96,6 +96,7 @@ def prepare(recipe: Recipe | dict) -> dict:
     tokenizer = load_tokenizer(recipe.target)
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"the tokenizer of {recipe.target} has no chat template")
+    print(f"[prepare] device=cpu (tokenizing only: no model is loaded, no dtype) target={recipe.target}", flush=True)
     stats: Counter = Counter()
     try:
         conversations = read_conversations(data_cfg.conversations, skip_bad=data_cfg.skip_bad,

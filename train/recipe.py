@@ -50,12 +50,12 @@ class RegenerateSection:
     """data.regenerate: `python -m train.regenerate RECIPE` rewrites the assistant turns with the target."""
 
     output: str = "${run_dir}/regenerated.jsonl"  # then prepare with data.conversations=<this file>
-    max_new_tokens: int = rule(256, low=1)
+    max_new_tokens: int = rule(256, low=1)  # tokens generated per assistant turn
     temperature: float = rule(0.0, low=0)  # 0 = greedy
     top_p: float = rule(1.0, above=0, high=1)
     batch_size: int = rule(32, low=1)  # conversations decoded together (rows of one forward)
     chunk_conversations: int = rule(256, low=1)  # resumable unit
-    seed: int = 0
+    seed: int = 0  # sampling seed
 
 
 @dataclass
@@ -64,13 +64,13 @@ class DataSection:
 
     conversations: str = "${DRAFTHEAD_CACHE}/data/sharegpt.jsonl"  # JSONL (ShareGPT / OpenAI) or a datasets folder
     prepared_dir: str = "${run_dir}/prepared"
-    max_length: int = rule(1024, low=2)
+    max_length: int = rule(1024, low=2)  # tokens kept per conversation (longer ones are cut)
     max_conversations: int | None = rule(None, low=1)  # None = all
     # cut each conversation after its N-th assistant turn (None = keep all)
     max_assistant_turns: int | None = rule(None, low=1)
     validation_fraction: float = rule(0.02, low=0, high=0.5)  # by conversation id root
-    skip_bad: bool = False
-    seed: int = 0
+    skip_bad: bool = False  # skip (and count) malformed records instead of stopping at file:line
+    seed: int = 0  # seed of the train/validation split
     num_proc: int | None = rule(None, low=1)  # tokenizing worker processes; None = min(4, CPU count)
     regenerate: RegenerateSection = field(default_factory=RegenerateSection)
 
@@ -79,7 +79,7 @@ class DataSection:
 class FeaturesSection:
     """features: target hidden states written as shards (`python -m train.collect RECIPE`)."""
 
-    dir: str = "${run_dir}/features"
+    dir: str = "${run_dir}/features"  # feature shards of the train split (bf16 safetensors + manifest.json)
     shard_sequences: int = rule(256, low=1)  # sequences per shard
     batch_tokens: int = rule(4096, low=1)  # padded tokens per target forward
     validation_dir: str | None = "${features.dir}/validation"  # features of the "validation" split
@@ -100,7 +100,7 @@ class FeaturesSection:
 class HeadSection:
     """head: the draft head trained on the target."""
 
-    kind: str = rule("eagle3", choices=("eagle3", "eagle1"))
+    kind: str = rule("eagle3", choices=("eagle3", "eagle1"))  # eagle1: EAGLE-1/2 head on the last hidden state
     draft_vocab_size: int | None = rule(32000, low=2)  # capped at the target's vocabulary; None = the whole vocabulary
     aux_layer_ids: list[int] | None = rule(None, low=0)  # None = serving engines' default (outputs of layers 1, N/2-1, N-4)
     init_from: str | None = None  # a head folder (native or exported) to fine-tune; its aux layers and vocab are kept
@@ -112,27 +112,27 @@ class TrainSection:
 
     output_dir: str = "${run_dir}/train"  # checkpoint-<step>/, final/, log.jsonl, tensorboard/
     online: bool = False  # True = target in the loop (features from data.prepared_dir, nothing on disk)
-    # or epochs (exactly one; setting only epochs clears max_steps); 0 = evaluate the head without training it
+    # optimizer steps, or train.epochs (exactly one; setting only epochs clears it); 0 = evaluate without training
     max_steps: int | None = rule(2000, low=0)
-    epochs: int | None = rule(None, low=1)
-    batch_size: int | None = rule(None, low=1)  # sequences per micro-batch (when set, batch_tokens is ignored), or
+    epochs: int | None = rule(None, low=1)  # passes over the training data
+    batch_size: int | None = rule(None, low=1)  # sequences per micro-batch (when set, batch_tokens is ignored)
     batch_tokens: int | None = rule(2048, low=1)  # padded tokens per micro-batch and rank (length-bucketed)
-    grad_accum: int = rule(4, low=1)
+    grad_accum: int = rule(4, low=1)  # micro-batches per optimizer step
     max_length: int | None = rule(1024, low=2)  # tokens per sequence (longer ones are cut)
-    lr: float = rule(1e-4, above=0)
+    lr: float = rule(1e-4, above=0)  # peak learning rate (AdamW, betas 0.9 / 0.95)
     warmup_steps: int = rule(100, low=0)  # linear warmup, then cosine to min_lr_ratio * lr
     min_lr_ratio: float = rule(0.0, low=0, high=1)
     weight_decay: float = rule(0.0, low=0)
-    max_grad_norm: float = rule(0.5, above=0)
+    max_grad_norm: float = rule(0.5, above=0)  # gradient clipping
     ttt_steps: int = rule(7, low=1)  # EAGLE-3 training-time-test unroll depth (eagle1: always 1)
     ttt_decay: float = rule(0.8, above=0)  # weight of unroll step i: ttt_decay ** i
     feature_noise: float = rule(0.0, low=0)  # eagle1 only: uniform +-noise on the input features
     compile_loss: bool = True  # the loss's elementwise part through torch.compile (train/soft_ce.py; ~2x on it)
     mixed_precision: str = rule("bf16", choices=("bf16", "fp32", "fp16", "no"))  # fp16 on GPUs only
-    seed: int = 0
-    save_every: int = rule(500, low=1)
+    seed: int = 0  # head initialisation and data order
+    save_every: int = rule(500, low=1)  # steps between checkpoints (re-running the command resumes)
     keep_checkpoints: int | None = rule(2, low=1)  # None = keep every checkpoint
-    eval_every: int = rule(250, low=1)
+    eval_every: int = rule(250, low=1)  # steps between validation runs
     eval_batches: int | None = rule(50, low=1)  # validation micro-batches per rank and evaluation (None = all)
     log_every: int = rule(10, low=1)  # steps per log.jsonl record (host syncs of loss/accuracy only then; also at eval/save steps)
     num_workers: int = rule(1, low=0)  # DataLoader worker processes reading and collating batches (0 = in the main process)
@@ -151,10 +151,11 @@ class TrainSection:
 class Recipe:
     """A whole recipe: the target, where the run lives, and one section per job."""
 
-    target: str = "${DRAFTHEAD_CACHE}/models/SmolLM2-135M-Instruct"
-    run_dir: str = "runs/smollm2-135m-eagle3"
-    device: str = rule("cpu", pattern=r"(cpu|cuda|xpu|mps)(:[0-9]+)?",
-                                means="a device: cpu, cuda, cuda:1, ...")  # cpu | cuda | cuda:1 ...
+    target: str = "${DRAFTHEAD_CACHE}/models/SmolLM2-135M-Instruct"  # a local Hugging Face model folder
+    run_dir: str = "runs/smollm2-135m-eagle3"  # where prepared data, features and checkpoints go by default
+    # regeneration and collection (training runs on the device accelerate gives each process)
+    device: str = rule("auto", pattern=r"auto|(cpu|cuda|xpu|mps)(:[0-9]+)?",
+                       means="auto or a device: cpu, cuda, cuda:1, ...")  # auto = CUDA when present, else the CPU
     dtype: str = rule("auto", choices=DTYPE_CHOICES)  # target dtype (collection, online features, regeneration): auto = bf16 where native
     data: DataSection = field(default_factory=DataSection)
     features: FeaturesSection = field(default_factory=FeaturesSection)
@@ -226,6 +227,19 @@ def _describe(hint: Any) -> str:
         hint, hint.__name__)
 
 
+def allowed_values(hint: Any, checks: dict) -> str:
+    """What a field accepts, in words: its type with its range, its choices, or what its pattern means."""
+    low, high, above = checks.get("low"), checks.get("high"), checks.get("above")
+    bounds = " and ".join(b for b in (f">= {low}" if low is not None else "", f"> {above}" if above is not None
+                                      else "", f"<= {high}" if high is not None else "") if b)
+    if checks.get("choices"):
+        return "one of " + ", ".join(map(repr, checks["choices"])) + (" or null" if _fits(None, hint) else "")
+    if checks.get("pattern"):
+        return checks["means"]
+    return _describe(hint) + (f" ({'each ' if typing.get_origin(hint) is list or _fits([], hint) else ''}"
+                              f"{bounds})" if bounds else "")
+
+
 def _check_value(value: Any, hint: Any, checks: dict, dotted: str) -> Any:
     """`value` of field `dotted`, checked against its type and allowed values; a number written as a string
     (YAML 1.1 reads `1e-4` so) becomes a float where the field takes one."""
@@ -237,16 +251,8 @@ def _check_value(value: Any, hint: Any, checks: dict, dotted: str) -> Any:
     if _is_int(value) and _fits(1.0, hint) and not _fits(1, hint):
         value = float(value)  # `lr: 1` in YAML fills a float field
     low, high, above = checks.get("low"), checks.get("high"), checks.get("above")
-    bounds = " and ".join(b for b in (f">= {low}" if low is not None else "", f"> {above}" if above is not None
-                                      else "", f"<= {high}" if high is not None else "") if b)
     choices, pattern = checks.get("choices"), checks.get("pattern")
-    if choices:
-        allowed = "one of " + ", ".join(map(repr, choices)) + (" or null" if _fits(None, hint) else "")
-    elif pattern:
-        allowed = checks["means"]
-    else:
-        allowed = _describe(hint) + (f" ({'each ' if typing.get_origin(hint) is list or _fits([], hint) else ''}"
-                                     f"{bounds})" if bounds else "")
+    allowed = allowed_values(hint, checks)
     wrong = not _fits(value, hint)
     if not wrong and value is not None:
         wrong = (choices and value not in choices) or (pattern and not re.fullmatch(pattern, value)) or any(
@@ -360,14 +366,26 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
 
 
 def recipe_main(job, doc: str, argv: list[str] | None = None) -> None:
-    """Command-line entry of every recipe job: `python -m train.<job> RECIPE [key=value ...] [--debug]`. A user
-    error (bad recipe, path or data) is printed as one line (drafthead.errors.run_main)."""
+    """Command-line entry of every recipe job: `python -m train.<job> RECIPE [key=value ...] [--print-config]
+    [--debug]`. `--help` lists every recipe key with its type and default (train/recipe_help.py); `--print-config`
+    prints the resolved recipe (overrides applied, `${...}` filled in) and exits. A user error (bad recipe, path or
+    data) is printed as one line (drafthead.errors.run_main)."""
 
     def main(args: list[str]) -> int:
-        if not args or args[0] in ("-h", "--help"):
-            print(doc)
+        if not args or "-h" in args or "--help" in args:
+            from train.recipe_help import command_help
+
+            print(command_help(doc))
             return 0 if args else 2
-        job(load_recipe(args[0], args[1:]))
+        show = "--print-config" in args
+        args = [a for a in args if a != "--print-config"]
+        if not args:
+            raise RecipeError("give a recipe file: python -m train.<job> RECIPE [key=value ...]")
+        recipe = load_recipe(args[0], args[1:])
+        if show:
+            print(yaml.safe_dump(dataclasses.asdict(recipe), sort_keys=False, width=120), end="")
+            return 0
+        job(recipe)
         return 0
 
     raise SystemExit(run_main(main, argv))

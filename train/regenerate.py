@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from drafthead.utils import atomic_write_text
+from drafthead.utils import atomic_write_text, dtype_name
 from train.conversations import read_conversations
 from train.recipe import Recipe, RegenerateSection, parse_recipe, recipe_main
 from train.target import load_target, load_tokenizer
@@ -133,7 +133,9 @@ def regenerate(recipe: Recipe | dict) -> Path:
     todo = [i for i, p in enumerate(paths) if not p.exists()]
     print(f"{len(conversations)} conversations, {len(chunks)} chunks, {len(chunks) - len(todo)} already done")
     if todo:
-        engine = replier(load_target(recipe.target, device=recipe.device, dtype=recipe.dtype), tokenizer)
+        model = load_target(recipe.target, device=recipe.device, dtype=recipe.dtype)
+        print(f"[regenerate] device={model.device} dtype={dtype_name(model.dtype)} target={recipe.target}", flush=True)
+        engine = replier(model, tokenizer)
         bar = tqdm(total=sum(len(chunks[i]) for i in todo), unit="conv", desc="regenerate")
         for i in todo:
             generator = torch.Generator(engine.device).manual_seed(cfg.seed + i)  # reproducible chunk by chunk

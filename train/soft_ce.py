@@ -9,7 +9,7 @@ and its logits' gradient w_n (sum(p_n) softmax(z_n) - p_n) while the chunk's log
 latter at once into the gradients of h and W (the same two matrix products autograd does): nothing of size
 (N, V) outlives its chunk, and the backward pass only scales the stored gradients. The elementwise part of a
 chunk (`chunk_loss`) is compiled once (inductor fuses it into a few loops: C++ on a CPU, Triton on a GPU; about
-half autograd's time an unroll step: results/HISTORY.md). Same arithmetic as
+half autograd's time an unroll step: docs/results/HISTORY.md). Same arithmetic as
 autograd's: logits and the gradient products in the input's dtype, or autocast's under autocast (the chunks'
 weight gradients summed in the weight's dtype, as autograd sums the unroll steps'), softmax and loss in float32.
 """

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from drafthead.errors import PathNotFound
-from drafthead.hardware import resolve_dtype
+from drafthead.hardware import resolve_device, resolve_dtype
 
 
 def _check_folder(path: str | Path) -> Path:
@@ -32,10 +32,12 @@ def load_tokenizer(path: str | Path) -> Any:
 
 
 def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = "auto") -> Any:
-    """A frozen causal LM in eval mode on `device` in `dtype` (no gradients). dtype 'auto' (or None): bf16 where
-    the device computes it natively (CUDA, CPUs with AVX512-BF16/AMX), else float32."""
+    """A frozen causal LM in eval mode on `device` in `dtype` (no gradients). device 'auto': CUDA when present,
+    else the CPU; dtype 'auto' (or None): bf16 where the device computes it natively (CUDA, CPUs with
+    AVX512-BF16/AMX), else float32."""
     from transformers import AutoModelForCausalLM
 
+    device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     model = AutoModelForCausalLM.from_pretrained(str(_check_folder(path)), dtype=dtype)
     model.to(torch.device(device)).eval()

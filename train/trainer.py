@@ -29,7 +29,7 @@ from drafthead import DraftHead, HeadConfig
 from drafthead.checkpoint import load_head
 from drafthead.config import default_aux_layer_ids
 from drafthead.errors import DataError
-from drafthead.utils import atomic_write_json, mixed_precision, rotary_frequencies
+from drafthead.utils import atomic_write_json, dtype_name, mixed_precision, rotary_frequencies
 from drafthead.vocab import build_draft_vocab, full_vocab, token_frequencies
 from train.batches import PreparedSequences, collate, epoch_batches, rank_batches, with_online_features
 from train.evaluate import evaluate
@@ -158,9 +158,9 @@ class Trainer:
     """Builds everything from a recipe; `run()` trains to max_steps, resuming when a checkpoint exists.
 
     With train.debug_report the run also records what tests and benchmarks check (which sequences each rank
-    trained on, full parameter sums before and after, peak memory, the time of every step and of its forward,
-    backward and optimizer parts) into output_dir/ranks/rank-<r>.json; without it none of that is kept, computed
-    or synchronised.
+    trained on, full parameter sums before and after, peak memory, the time of every step and of its features,
+    forward, backward and optimizer parts) into output_dir/ranks/rank-<r>.json; without it none of that is kept,
+    computed or synchronised.
     """
 
     def __init__(self, recipe: Recipe | dict):
@@ -183,6 +183,7 @@ class Trainer:
         # the draft vocabulary is counted once, on rank 0, and broadcast below
         head = build_head(recipe, target, self.train_set, count_tokens=acc.is_main_process)
         self.target = target if config.online else None  # offline: only the borrowed modules are kept
+        self.target_dtype = dtype_name(target.dtype)  # online: the target's forward; offline: the borrowed modules
         self.aux_layer_ids = head.config.aux_layer_ids
         module = DraftTrainModule(head, target, config.ttt_steps, config.ttt_decay, config.feature_noise,
                                   compile_loss=config.compile_loss).to(device)
@@ -247,7 +248,7 @@ class Trainer:
             stage = acc.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {}).get("stage")
         trainable = sum(getattr(p, "ds_numel", p.numel()) for p in self.head.parameters() if p.requires_grad)
         acc.print(f"[train] engine={self.engine} zero_stage={stage} world_size={acc.num_processes} "
-                  f"device={acc.device} mixed_precision={acc.mixed_precision} "
+                  f"device={acc.device} mixed_precision={acc.mixed_precision} target_dtype={self.target_dtype} "
                   f"trainable_params={trainable:,}")
         assert acc.num_processes == 1 or synced, (
             f"{acc.num_processes} processes but engine {self.engine} does not synchronise gradients"
@@ -367,7 +368,9 @@ class Trainer:
         c, acc = self.config, self.accelerator
         tokens = 0
         for indices in group:
-            batch = self.to_device(next(batches))
+            items = next(batches)
+            with self.timed("features"):  # online: the target's forward; offline: the copy to the device
+                batch = self.to_device(items)
             count = sum(min(self.lengths[i], c.max_length or self.lengths[i]) for i in indices)
             tokens += count
             with acc.accumulate(self.model):
@@ -452,9 +455,10 @@ class DebugReport:
     """train.debug_report: ranks/rank-<r>.json with the engine, world size, the sequences this rank trained on,
     full parameter sums when this run starts training (after a resume: the loaded ones) and at its end (gathered
     under ZeRO-3: collective), the draft vocabulary's checksum, peak memory, and per step
-    its time (validation and checkpoints left out) and the time of its forward, backward and optimizer parts."""
+    its time (validation and checkpoints left out) and the time of its parts: the batch's features (online: the
+    target's forward), the head's forward, backward and optimizer step."""
 
-    PARTS = ("forward", "backward", "optimizer")
+    PARTS = ("features", "forward", "backward", "optimizer")
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer

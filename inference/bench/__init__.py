@@ -28,7 +28,7 @@ import torch
 
 from drafthead.hardware import cpu_flags, resolve_dtype
 from drafthead.paths import cache_dir
-from drafthead.utils import atomic_write_json
+from drafthead.utils import atomic_write_bytes, atomic_write_json
 
 from ..drafters.draft_model import DraftModelDrafter, load_draft_model
 from ..drafters.lookup import prompt_lookup
@@ -43,6 +43,7 @@ from ..tuning.budget import auto_tree, choose_draft_vocab
 from ..tuning.draft_vocab import (AUTO_SIZES, AUTO_TUNING_SIZE, assistant_token_counts, default_corpus,
                                   parse_draft_vocab, vocab_candidates)
 from . import batch as batch_bench
+from .long_context import chat_token_ids
 from .ties import explain_divergence
 
 
@@ -71,15 +72,8 @@ def load_prompts(spec: str, limit: int | None, category: str | None = None) -> l
 
 
 def chat_ids(tokenizer: Any, prompt: str, device: torch.device) -> torch.Tensor:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
-    return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
-
-
-def timed(fn) -> tuple[Any, float]:
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
+    """(1, T) ids of one user turn after the chat template (long_context.chat_token_ids)."""
+    return torch.tensor([chat_token_ids(tokenizer, prompt)], device=device)
 
 
 class Method:
@@ -366,7 +360,9 @@ def measure_prompt(i: int, ids: torch.Tensor, methods: list[Method], divergences
     plain decoding's and every divergence is classified."""
     plain_tokens = None
     for m in methods:
-        (tokens, stats), wall = timed(lambda: m.run(ids))
+        start = time.perf_counter()
+        tokens, stats = m.run(ids)
+        wall = time.perf_counter() - start
         row = {"prompt": i, "new_tokens": len(tokens), "wall_s": wall, "tokens_per_s": len(tokens) / wall}
         if stats is not None:
             row["stats"] = stats.to_dict()
@@ -464,12 +460,6 @@ def assemble(args, device, dtype, inputs, methods: list[Method], mismatches: lis
     return result
 
 
-def write_json(path: Path, result: dict) -> None:
-    """Atomic write (temp file + rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, result)
-
-
 def plot(result: dict, path: Path) -> None:
     """Speedup per method and the accepted-length histogram of each speculative method."""
     import matplotlib
@@ -495,9 +485,7 @@ def plot(result: dict, path: Path) -> None:
     ax2.set_ylabel("share of steps")
     ax2.legend()
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -555,13 +543,13 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if batch_bench.wants_batch_bench(args):
         result = batch_bench.run_batch_bench(batch_bench.normalise(args),
-                                             on_cell=lambda partial: write_json(args.out, partial))
-        write_json(args.out, result)
+                                             on_cell=lambda partial: atomic_write_json(args.out, partial))
+        atomic_write_json(args.out, result)
         batch_bench.plot_grid(result, args.plot or args.out.with_suffix(".png"))
         print(f"wrote {args.out}")
         return
-    result = run_bench(args, on_prompt=lambda partial: write_json(args.out, partial))
-    write_json(args.out, result)
+    result = run_bench(args, on_prompt=lambda partial: atomic_write_json(args.out, partial))
+    atomic_write_json(args.out, result)
     plot(result, args.plot or args.out.with_suffix(".png"))
     m = result["methods"]
     print(f"\n{result['prompts']} prompts, {result['dtype']} on {result['device']}")

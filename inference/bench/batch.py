@@ -5,25 +5,20 @@ EAGLE-head drafting with a full or a windowed KV, on long real prompts (long_con
     python -m inference.bench --target T --draft HEAD --grid --contexts 2048,4096,8192 --batch-sizes 1,4,8,16
 
 Each cell (context L, batch B) decodes at least `--prompts-per-cell` prompts of exactly L tokens, B at a time.
-Every prompt is prefilled ONCE per context (its KV kept per row); a cell's batches are built from those rows and
-every method starts from a copy of the same batch (the prefill is reported apart), so the methods decode the
-very same rows. Each method first decodes a few tokens of the batch as a warm-up (a compiled self-draft compiles
-there; reported as warmup_s), then `--repeats` times in turn with the other methods; its median run is reported
-(all decode times kept as decode_s_runs). Decoding runs `--max-new-tokens` per row without eos
-(fixed-length throughput, as MagicDec measures). With `--continuous` a cell is one queue of requests flowing
-through B rows (continuous batching, as a server runs: a row that finishes takes the next prefilled request at
-once, so no row waits for the batch's slowest), the same queue for every method. Reported per method: decode tokens/s (all rows), speedup over
-plain batched decoding in the same cell, τ (tokens per row per verification), cost per step (draft and verify),
-the same rate and speedup over the steps with every row busy (`busy_*`: a queue's steps before it runs dry),
-the drafter's begin time (feeding the prompt to a head), and the cell's peak RSS. Greedy outputs are checked
-against plain decoding row by row. Writes one JSON (rewritten after every cell) and a PNG.
+Every prompt is prefilled ONCE per context and every method decodes a copy of the same prefilled rows (the prefill
+is reported apart): a few warm-up tokens first (a compiled self-draft compiles there: warmup_s), then `--repeats`
+runs in turn with the other methods, the median reported (all in decode_s_runs). Each row decodes
+`--max-new-tokens` without eos (fixed-length throughput, as MagicDec measures). With `--continuous` a cell is one
+queue of requests through B rows (continuous batching: a row that finishes takes the next prefilled request), the
+same queue for every method. Per method: decode tokens/s and speedup over plain batched decoding, τ, cost per step,
+the same over the steps with every row busy (`busy_*`), and greedy rows checked against plain decoding. Writes one
+JSON (rewritten after every cell) and a PNG.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import time
 from pathlib import Path
 
@@ -31,7 +26,7 @@ import torch
 
 from drafthead import load_head
 from drafthead.hardware import cpu_flags, resolve_dtype
-from drafthead.utils import place_module
+from drafthead.utils import atomic_write_bytes, place_module
 
 from ..batch_queue import prefilled_requests
 from ..decode import Request
@@ -138,7 +133,8 @@ def run_group(runner: StaticRunner, drafters: dict, rows: list[dict], max_new: i
 
     def decode(name, drafter, new_tokens: int) -> tuple[list[list[int]], GenerationStats, float]:
         runner.reset(b, length)  # the same buffers, the group's prefilled rows copied in afresh
-        runner.load_rows(rows)
+        for i, row in enumerate(rows):
+            runner.admit(i, row["kv"])
         stats = GenerationStats()
         stoppers = [Stopper(set(), [], None, new_tokens) for _ in range(b)]
         queue = (Request(row["ids"], row["kv"], row["logits"], row["features"], Stopper(set(), [], None, new_tokens))
@@ -148,10 +144,7 @@ def run_group(runner: StaticRunner, drafters: dict, rows: list[dict], max_new: i
             new = decode_rows(runner, drafter, ids, mask, params, stoppers, None, stats,
                               prefilled=prefilled, waiting=queue if waiting else None,
                               switch=SpeculationSwitch() if name.endswith(AUTO) else None)
-        total = time.perf_counter() - t0
-        # the lookup branch's nodes (shared with the drafter's or not): proposed, accepted
-        stats.lookup = [stats.drafted_by.get("prompt_lookup", 0), stats.accepted_by.get("prompt_lookup", 0)]
-        return new, stats, total
+        return new, stats, time.perf_counter() - t0
 
     for name, drafter in drafters.items():
         # warm-up: two steps (a compiled drafter compiles its step here), timed apart from the decode
@@ -159,13 +152,7 @@ def run_group(runner: StaticRunner, drafters: dict, rows: list[dict], max_new: i
     for _ in range(repeats):  # the methods take turns, so a slow spell of a shared machine hits them alike
         for name, drafter in drafters.items():
             new, stats, total = decode(name, drafter, max_new)
-            out[name]["runs"].append(dict(rows=new, decode_s=total - stats.prefill_time_s,  # minus the begin
-                                          begin_s=stats.prefill_time_s, steps=stats.target_forwards - 1,
-                                          accept=stats.accept_lengths, rows_steps=stats.rows_steps,
-                                          draft_s=stats.draft_time_s, admit_s=stats.admit_time_s,
-                                          verify_s=stats.verify_time_s, plain_steps=stats.plain_steps,
-                                          busy_steps=stats.busy_steps, busy_tokens=stats.busy_tokens,
-                                          busy_s=stats.busy_time_s, lookup=stats.lookup))
+            out[name]["runs"].append(dict(rows=new, decode_s=total - stats.prefill_time_s, stats=stats))  # - begin
     for result in out.values():  # the run of median decode time stands for the method (greedy: same tokens)
         runs = sorted(result.pop("runs"), key=lambda r: r["decode_s"])
         result.update(runs[(len(runs) - 1) // 2], decode_s_runs=[round(r["decode_s"], 3) for r in runs])
@@ -174,33 +161,38 @@ def run_group(runner: StaticRunner, drafters: dict, rows: list[dict], max_new: i
 
 def summarise_cell(groups: list[dict], names: list[str], b: int, context: int) -> dict:
     """Per-method figures of one cell from its groups; greedy rows compared with plain decoding."""
+    def total(stats: list[GenerationStats], field: str) -> float:
+        return sum(getattr(s, field) for s in stats)
+
     cell = {"context": context, "batch": b, "prompts": sum(len(g[names[0]]["rows"]) for g in groups), "methods": {}}
     for name in names:
         runs = [g[name] for g in groups]
+        stats = [g["stats"] for g in runs]
         tokens = sum(len(r) for g in runs for r in g["rows"])
         decode_s = sum(g["decode_s"] for g in runs)
-        steps = sum(g["steps"] for g in runs)
-        accept = [a for g in runs for a in g["accept"]]
-        busy_steps, busy_s = sum(g["busy_steps"] for g in runs), sum(g["busy_s"] for g in runs)
+        steps = total(stats, "target_forwards") - len(stats)  # (the prefill of each group is no step)
+        accept = [a for s in stats for a in s.accept_lengths]
+        busy_steps, busy_s = total(stats, "busy_steps"), total(stats, "busy_time_s")
         m = dict(tokens=tokens, decode_s=round(decode_s, 3), tokens_per_s=tokens / decode_s,
                  tau=sum(accept) / max(len(accept), 1), steps=steps,
                  # a batch decodes until its slowest row is done: steps against what its rows needed on average
                  # (continuous batching: the requests' steps shared among the batch's rows)
-                 row_steps_mean=sum(sum(g["rows_steps"]) / b for g in runs),
-                 admit_s=round(sum(g["admit_s"] for g in runs), 3),
-                 plain_steps=sum(g["plain_steps"] for g in runs),  # the _auto methods' steps without drafts
+                 row_steps_mean=sum(sum(s.rows_steps) / b for s in stats),
+                 admit_s=round(total(stats, "admit_time_s"), 3),
+                 plain_steps=total(stats, "plain_steps"),  # the _auto methods' steps without drafts
                  step_ms=1000 * decode_s / max(steps, 1),
-                 draft_ms_per_step=1000 * sum(g["draft_s"] for g in runs) / max(steps, 1),
-                 verify_ms_per_step=1000 * sum(g["verify_s"] for g in runs) / max(steps, 1),
-                 begin_s=sum(g["begin_s"] for g in runs), warmup_s=round(sum(g["warmup_s"] for g in runs), 2),
+                 draft_ms_per_step=1000 * total(stats, "draft_time_s") / max(steps, 1),
+                 verify_ms_per_step=1000 * total(stats, "verify_time_s") / max(steps, 1),
+                 begin_s=total(stats, "prefill_time_s"), warmup_s=round(sum(g["warmup_s"] for g in runs), 2),
                  decode_s_runs=[round(sum(x), 3) for x in zip(*(g["decode_s_runs"] for g in runs))],
                  # the steps with every row decoding (continuous: before the queue runs dry), as MagicDec's
                  # per-step throughput counts a full batch; the queue's tail (rows leaving one by one) is what
                  # tokens_per_s adds to it
-                 busy_steps=busy_steps, busy_tokens_per_s=sum(g["busy_tokens"] for g in runs) / max(busy_s, 1e-9),
+                 busy_steps=busy_steps, busy_tokens_per_s=total(stats, "busy_tokens") / max(busy_s, 1e-9),
                  busy_step_ms=1000 * busy_s / max(busy_steps, 1))
         if name.removesuffix(AUTO).endswith(LOOKUP):  # the lookup branch's nodes: added to trees, accepted
-            m["lookup_proposed"], m["lookup_accepted"] = (sum(g["lookup"][i] for g in runs) for i in (0, 1))
+            m["lookup_proposed"] = sum(s.drafted_by.get("prompt_lookup", 0) for s in stats)
+            m["lookup_accepted"] = sum(s.accepted_by.get("prompt_lookup", 0) for s in stats)
         if name != "plain" and "plain" in names:
             m["greedy_match"] = all(r == p for g in groups for r, p in zip(g[name]["rows"], g["plain"]["rows"]))
         cell["methods"][name] = m
@@ -293,9 +285,7 @@ def plot_grid(result: dict, path: Path) -> None:
     fig.suptitle(f"{Path(result['target']).name}, {result['dtype']}, {result['max_new_tokens']} new tokens "
                  "(dotted: while every row of the batch is busy)")
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

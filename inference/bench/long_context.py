@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from drafthead.paths import cache_dir
+
+from ..jsonl import iter_jsonl
 
 SPEAKERS = {"human": "User", "user": "User", "system": "System"}  # every other role speaks as the assistant
 INSTRUCTIONS = {
@@ -48,29 +49,22 @@ def _iter_documents(path: Path, min_chars: int) -> Iterator[tuple[bool, str]]:
     seen: set[bytes] = set()  # digests of conversations already used (ShareGPT repeats some)
     run: list[str] = []
     run_chars = 0
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
-            text = _conversation_text(path, n, row)
-            if len(text) < piece_chars:
-                continue
-            digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
-            if digest in seen:
-                continue
-            seen.add(digest)
-            if len(text) >= min_chars:
-                yield True, text
-                continue
-            run.append(text)
-            run_chars += len(text) + 2
-            if run_chars >= min_chars:
-                yield False, "\n\n".join(run)
-                run, run_chars = [], 0
+    for n, row in iter_jsonl(path, error=ValueError):
+        text = _conversation_text(path, n, row)
+        if len(text) < piece_chars:
+            continue
+        digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
+        if digest in seen:
+            continue
+        seen.add(digest)
+        if len(text) >= min_chars:
+            yield True, text
+            continue
+        run.append(text)
+        run_chars += len(text) + 2
+        if run_chars >= min_chars:
+            yield False, "\n\n".join(run)
+            run, run_chars = [], 0
 
 
 def long_documents(path: Path | None = None, min_chars: int = 20000, limit: int | None = None) -> list[str]:
@@ -93,7 +87,7 @@ def long_documents(path: Path | None = None, min_chars: int = 20000, limit: int 
     return docs[:limit] if limit is not None else docs
 
 
-def _chat_ids(tokenizer: Any, content: str) -> list[int]:
+def chat_token_ids(tokenizer: Any, content: str) -> list[int]:
     """Token ids of one user turn after the chat template, with the assistant generation prompt."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                          add_generation_prompt=True)
@@ -108,7 +102,7 @@ def _fit(tokenizer: Any, doc_ids: list[int], instruction: str, context: int, ove
     """
     def prompt(k: int) -> list[int]:
         cut = tokenizer.decode(doc_ids[:k], clean_up_tokenization_spaces=False).rstrip().rstrip("\ufffd").rstrip()
-        return _chat_ids(tokenizer, f"{cut}\n\n{instruction}")
+        return chat_token_ids(tokenizer, f"{cut}\n\n{instruction}")
 
     tried: set[int] = set()
     k = context - overhead
@@ -149,7 +143,7 @@ def long_prompts(tokenizer: Any, context: int, count: int, path: Path | None = N
     if task not in INSTRUCTIONS:
         raise ValueError(f"task must be one of {sorted(INSTRUCTIONS)}, got {task!r}")
     instruction = INSTRUCTIONS[task]
-    overhead = len(_chat_ids(tokenizer, f"\n\n{instruction}"))  # template + instruction, no document
+    overhead = len(chat_token_ids(tokenizer, f"\n\n{instruction}"))  # template + instruction, no document
     if context <= overhead:
         raise ValueError(f"context {context} leaves no room for a document (template + instruction: {overhead} tokens)")
     path = Path(path) if path is not None else default_path()

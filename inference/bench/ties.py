@@ -47,21 +47,13 @@ class Divergence:
     exact_gap: float | None = None  # float32 reference (when given): logit(ref token) - logit(spec token)
     precision_error: float | None = None  # largest |low-precision - float32| logit error of the two tokens
 
-    @property
-    def gap_ulps(self) -> float:
-        return self.gap / self.resolution
-
 
 @torch.inference_mode()
-def explain_divergence(
-    target: nn.Module,
-    spec_sequence: torch.Tensor,  # (1, n) or (n,) prompt + speculative output
-    ref_sequence: torch.Tensor,  # (1, m) or (m,) prompt + plain greedy output
-    tolerance_ulps: float = 1.0,
-    reference: nn.Module | None = None,
-) -> Divergence | None:
-    """None when the sequences are equal (or one stops early on an equal prefix); otherwise the target's logits at
-    the first differing position, from one plain forward over the common prefix in the target's own dtype.
+def explain_divergence(target: nn.Module, spec_sequence: torch.Tensor, ref_sequence: torch.Tensor,
+                       tolerance_ulps: float = 1.0, reference: nn.Module | None = None) -> Divergence | None:
+    """spec_sequence, ref_sequence ((1, n) or (n,)): the prompt + the speculative / plain greedy output. None when
+    they are equal (or one stops early on an equal prefix); otherwise the target's logits at the first differing
+    position, from one plain forward over the common prefix in the target's own dtype.
 
     The divergence is a near-tie when both chosen tokens lie within `tolerance_ulps` bf16 steps of the top logit
     (three-way ties included), or, given `reference` (the same target in float32), when the float32 logits of the

@@ -1,14 +1,11 @@
-"""Builds and loads this project's CPU kernels: the AVX512-BF16 extension (the `drafthead_kernels` op library):
-small_gemm.cpp (bf16 linears of a few rows, used by small_gemm.py) and prefix_attention.cpp (attention of a few
-queries over the used prefix of a KV buffer, used by attention.py); and the AVX2 one (`drafthead_avx2`), their
-float32 counterparts for CPUs where float32 is the fast dtype: small_gemm_avx2.cpp and prefix_attention_avx2.cpp.
+"""Builds and loads this project's CPU kernels: the AVX512-BF16 library `drafthead_kernels` (small_gemm.cpp, bf16
+linears of a few rows; prefix_attention.cpp, attention of a few queries over the used prefix of a KV buffer) and
+the AVX2 library `drafthead_avx2` (small_gemm_avx2.cpp, prefix_attention_avx2.cpp: their float32 counterparts).
 
-They are compiled on first use with the C++ compiler PyTorch's own CPU compilation needs (~40 s, cached in torch's
-extension folder), only where the CPU has the instructions (AVX512-BF16's `vdpbf16ps`; AVX2 and FMA); elsewhere
-nothing changes. Each build has its own folder per digest of its sources, headers and flags (two checkouts or
-versions never rebuild each other's), and is made under an OS file lock: a build killed half way leaves nothing
-that blocks the next (its lock dies with it), and a process that waits longer than DRAFTHEAD_KERNEL_BUILD_TIMEOUT
-seconds (default 600) for another's build goes on without the kernels, saying so.
+Each is compiled on first use (~40 s, cached in torch's extension folder) only where the CPU has its instructions;
+elsewhere nothing changes. Each build has its own folder per digest of its sources, headers and flags, and is made
+under an OS file lock (released when its holder dies): a process that waits longer than
+DRAFTHEAD_KERNEL_BUILD_TIMEOUT seconds (default 600) for another's build goes on without the kernels, saying so.
 """
 
 from __future__ import annotations

@@ -20,14 +20,7 @@
 // depends only on its own query, keys and mask row, whatever the number of queries, so a token's attention does
 // not depend on the tree verified beside it (a token decoded alone and verified in a tree get the same bits).
 //
-// Against the previous two-pass kernel (all scores, then all values; one task per row, KV head and lane set),
-// SmolLM2-135M's shapes (9 heads, 3 KV heads, head_dim 64), one layer, 2-core Zen 4 EPYC, interleaved runs:
-// 1 row over 8k keys, 1 / 4 / 16 queries 0.27 / 0.38 / 1.08 -> 0.22 / 0.31 / 1.02 ms (the threads share the
-// keys); 8 rows over 8k keys 2.64 / 3.38 -> 2.43 / 3.36 ms; 1 row over 1.2k keys unchanged. Scores by key for few
-// lanes (2026-11-27, same machine kind, medians of 7 interleaved runs of two builds): 8 rows, 1 query, 8k keys
-// 2.55-2.64 -> 2.03-2.09 ms a layer (50 MB of keys and values: ~24 GB/s, what a plain read streams here);
-// 8 rows, 1 query over a 264-slot self-draft cache 59 -> 41 us; 2 queries 8k keys ~-3 %; 4 queries unchanged
-// (12 lanes: scores by key measured 10-20 % slower there).
+// Measurements of this design against the previous ones: docs/results/HISTORY_LONG_CONTEXT.md.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -276,11 +269,8 @@ inline void store_row(const float* raw, int64_t dim, float scale, uint16_t* dst)
   }
 }
 
-}  // namespace
-
-// query (B, H, n, D) bf16 (any strides), key/value (B, KVH, S, D) bf16 contiguous, mask (B or 1, 1, n, S)
-// additive (bf16 or float, any strides), length: the used slots (keys at or after it are not read), rows: the
-// leading batch rows in use (later rows get zeros). Returns (B, n, H, D) bf16.
+// The op's alive rows into call.out, in bf16 (the arguments: PrefixCall in spans.h; the mask bf16 or float, any
+// strides; keys at or after the used slots are not read).
 //
 // Work: one task per (row, KV head, span of kSplit keys) (and lane set, when those are few); a task walks its span
 // in blocks of kChunk keys (keys and values of a block stay in cache while every lane set reads them: each byte of
@@ -289,29 +279,16 @@ inline void store_row(const float* raw, int64_t dim, float scale, uint16_t* dst)
 // the threads share the keys of one row and head. Block and span boundaries are absolute slot numbers, so a
 // query's output depends only on its own keys and mask row: not on the other queries, nor on masked slots after
 // its own (a token decoded alone and the same token verified inside a tree get the same bits).
-torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-                                    const torch::Tensor& mask, double scaling, const torch::Tensor& length,
-                                    const torch::Tensor& rows) {
-  check_prefix_attention("prefix_attention_bf16", query, key, value, mask, kMaxQueries);
-  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
-                  value.scalar_type() == at::kBFloat16 &&
-                  (mask.scalar_type() == at::kBFloat16 || mask.scalar_type() == at::kFloat),
-              "prefix_attention_bf16: bf16 query, key and value and a bf16 or float mask expected");
-  const int64_t batch = query.size(0), heads = query.size(1), n = query.size(2), dim = query.size(3);
-  const int64_t kv_heads = key.size(1), slots = key.size(2);
-  const int64_t used = std::min<int64_t>(length.item<int64_t>(), slots);
-  const int64_t alive = std::min<int64_t>(rows.item<int64_t>(), batch);
-  const int64_t groups = heads / kv_heads, pairs = dim / 2;
+void attend(const PrefixCall& call, const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+            const torch::Tensor& mask, double scaling) {
+  const int64_t n = call.n, dim = call.dim, kv_heads = call.kv_heads, slots = call.slots, used = call.used;
+  const int64_t groups = call.groups, spans = call.spans, pairs = dim / 2;
   const int64_t lanes_total = groups * n, lane_sets = (lanes_total + kLanes - 1) / kLanes;
   const int64_t lanes_pad = lane_sets * kLanes;
-  const int64_t spans = std::max<int64_t>(1, (used + kSplit - 1) / kSplit);
-
-  torch::Tensor out = torch::zeros({batch, n, heads, dim}, query.options());
-  if (used == 0 || alive == 0) return out;
   const uint16_t* q = reinterpret_cast<const uint16_t*>(query.data_ptr());
   const uint16_t* kp = reinterpret_cast<const uint16_t*>(key.data_ptr());
   const uint16_t* vp = reinterpret_cast<const uint16_t*>(value.data_ptr());
-  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  uint16_t* o = reinterpret_cast<uint16_t*>(call.out.data_ptr());
   const int64_t qs0 = query.stride(0), qs1 = query.stride(1), qs2 = query.stride(2), qs3 = query.stride(3);
   const bool float_mask = mask.scalar_type() == at::kFloat;
   const char* mask_base = reinterpret_cast<const char*>(mask.data_ptr());
@@ -320,8 +297,8 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
   const float scale = static_cast<float>(scaling);
 
   // spans of one (row, KV head) leave their running max, sum and raw sums here, combined after
-  const int64_t pieces = alive * kv_heads * spans;
-  SpanResults results(alive, kv_heads, lanes_total, lanes_pad, spans, dim, n, heads, groups);
+  const int64_t pieces = call.alive * kv_heads * spans;
+  SpanResults results(call, lanes_total, lanes_pad);
   // few pieces (one short row, many queries): the lane sets become tasks of their own, each reading the keys
   // (then in cache) again, so that both threads have work; a lane's arithmetic is the same either way
   const int64_t set_tasks = pieces < 4 * at::get_num_threads() ? lane_sets : 1;
@@ -580,8 +557,9 @@ torch::Tensor prefix_attention_bf16(const torch::Tensor& query, const torch::Ten
     }
   });
 
-  results.combine(alive, o, store_row);
-  return out;
+  results.combine(call.alive, o, store_row);
 }
 
-DRAFTHEAD_PREFIX_ATTENTION_OP(drafthead_kernels, prefix_attention_bf16)
+}  // namespace
+
+DRAFTHEAD_PREFIX_ATTENTION_OP(drafthead_kernels, at::kBFloat16, kMaxQueries, kSplit, attend)

@@ -143,42 +143,27 @@ inline void store_row(const float* raw, int64_t dim, float scale, float* dst) {
   for (int64_t c = 0; c < dim; c += 8) _mm256_storeu_ps(dst + c, _mm256_mul_ps(_mm256_loadu_ps(raw + c), s));
 }
 
-}  // namespace
-
-// query (B, H, n, D) (any strides), key/value (B, KVH, S, D) contiguous, mask (B or 1, 1, n, >= S) additive float;
-// length: used slots (0-dim); rows: leading batch rows in use (later rows get zeros). Returns (B, n, H, D) float.
+// The op's alive rows into call.out, in float32 (the arguments: PrefixCall in spans.h).
 //
 // Work: one task per (row, KV head, span of kSplit keys); a task walks its span in blocks of kChunk keys with a
 // running max per lane. Spans of a long context are combined after (flash-decoding): the threads share the keys
 // of one row and head.
-torch::Tensor prefix_attention_float(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-                                     const torch::Tensor& mask, double scaling, const torch::Tensor& length,
-                                     const torch::Tensor& rows) {
-  check_prefix_attention("prefix_attention_float", query, key, value, mask, kMaxQueries);
-  TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat &&
-                  value.scalar_type() == at::kFloat && mask.scalar_type() == at::kFloat,
-              "prefix_attention_float: float32 query, key, value and mask expected");
-  const int64_t batch = query.size(0), heads = query.size(1), n = query.size(2), dim = query.size(3);
-  const int64_t kv_heads = key.size(1), slots = key.size(2);
-  const int64_t used = std::min<int64_t>(length.item<int64_t>(), slots);
-  const int64_t alive = std::min<int64_t>(rows.item<int64_t>(), batch);
-  const int64_t groups = heads / kv_heads, lanes = groups * n;
-  const int64_t spans = std::max<int64_t>(1, (used + kSplit - 1) / kSplit);
-
-  torch::Tensor out = torch::zeros({batch, n, heads, dim}, query.options());
-  if (used == 0 || alive == 0) return out;
+void attend(const PrefixCall& call, const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+            const torch::Tensor& mask, double scaling) {
+  const int64_t n = call.n, dim = call.dim, kv_heads = call.kv_heads, slots = call.slots, used = call.used;
+  const int64_t groups = call.groups, spans = call.spans, lanes = groups * n;
   const float* q = query.data_ptr<float>();
   const float* kp = key.data_ptr<float>();
   const float* vp = value.data_ptr<float>();
-  float* o = out.data_ptr<float>();
+  float* o = call.out.data_ptr<float>();
   const int64_t qs0 = query.stride(0), qs1 = query.stride(1), qs2 = query.stride(2), qs3 = query.stride(3);
   const float* mask_base = mask.data_ptr<float>();
   const int64_t ms0 = mask.size(0) == 1 ? 0 : mask.stride(0), ms2 = mask.stride(2), ms3 = mask.stride(3);
   const __m256 vscale = _mm256_set1_ps(static_cast<float>(scaling));
 
   // spans of one (row, KV head) leave their running max, sum and raw sums here, combined after
-  const int64_t pieces = alive * kv_heads * spans;
-  SpanResults results(alive, kv_heads, lanes, lanes, spans, dim, n, heads, groups);
+  const int64_t pieces = call.alive * kv_heads * spans;
+  SpanResults results(call, lanes, lanes);
   const Kernels kernels = dim == 32 ? kernels_for<32>() : dim == 64 ? kernels_for<64>() : kernels_for<128>();
 
   at::parallel_for(0, pieces, 1, [&](int64_t first, int64_t last) {
@@ -287,8 +272,9 @@ torch::Tensor prefix_attention_float(const torch::Tensor& query, const torch::Te
     }
   });
 
-  results.combine(alive, o, store_row);
-  return out;
+  results.combine(call.alive, o, store_row);
 }
 
-DRAFTHEAD_PREFIX_ATTENTION_OP(drafthead_avx2, prefix_attention_float)
+}  // namespace
+
+DRAFTHEAD_PREFIX_ATTENTION_OP(drafthead_avx2, at::kFloat, kMaxQueries, kSplit, attend)

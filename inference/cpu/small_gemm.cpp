@@ -16,7 +16,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "live_rows.h"
+#include "small_linear.h"
 
 namespace {
 
@@ -37,31 +37,68 @@ inline void store_block_row(__m512 lo, __m512 hi, const float* bias, uint16_t* o
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), (__m256i)_mm512_cvtneps_pbh(hi));
 }
 
-// acc (rows, 32) float = a (rows, K) bf16 · one packed block (K/2, 32, 2)
-template <int kRows>
-void block_dot(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t pairs, float* acc) {
-  __m512 c[kRows][2];
-  for (int m = 0; m < kRows; ++m) c[m][0] = c[m][1] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
-    const uint16_t* bp = b + p * 2 * kBlock;
-    __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp);
-    __m512bh b1 = (__m512bh)_mm512_loadu_si512(bp + kBlock);
+// The two products of a packed block, one loop (block_dot): bf16 pairs into floats (vdpbf16ps), or u8 x int8 quads
+// into int32s (vpdpbusd, the int8 weights below); `kPack` k's share one 32-bit lane of x and of the weights.
+template <typename InT, typename WeightT, typename SumT, int64_t kPackT>
+struct PackedDot {
+  using In = InT;
+  using Weight = WeightT;
+  using Sum = SumT;
+  static constexpr int64_t kPack = kPackT;
+};
+
+struct Bf16Dot : PackedDot<uint16_t, uint16_t, float, 2> {
+  using Vec = __m512;
+  static Vec dot(Vec c, __m512i a, __m512i b) { return _mm512_dpbf16_ps(c, (__m512bh)a, (__m512bh)b); }
+};
+
+struct Int8Dot : PackedDot<uint8_t, int8_t, int32_t, 4> {
+  using Vec = __m512i;
+  static Vec dot(Vec c, __m512i a, __m512i b) { return _mm512_dpbusd_epi32(c, a, b); }
+};
+
+// acc (rows, 32) = a (rows, K) · one packed block (K/kPack, 32, kPack)
+template <typename T, int kRows>
+void block_dot(const typename T::In* a, int64_t lda, const typename T::Weight* b, int64_t steps,
+               typename T::Sum* acc) {
+  typename T::Vec c[kRows][2];
+  for (int m = 0; m < kRows; ++m) c[m][0] = c[m][1] = (typename T::Vec)_mm512_setzero_si512();
+  for (int64_t p = 0; p < steps; ++p) {
+    const typename T::Weight* bp = b + p * T::kPack * kBlock;
+    const __m512i b0 = _mm512_loadu_si512(bp), b1 = _mm512_loadu_si512(bp + T::kPack * kBlock / 2);
 #pragma GCC unroll 8
     for (int m = 0; m < kRows; ++m) {
-      __m512bh am = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + m * lda + 2 * p));
-      c[m][0] = _mm512_dpbf16_ps(c[m][0], am, b0);
-      c[m][1] = _mm512_dpbf16_ps(c[m][1], am, b1);
+      const __m512i am = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + m * lda + T::kPack * p));
+      c[m][0] = T::dot(c[m][0], am, b0);
+      c[m][1] = T::dot(c[m][1], am, b1);
     }
   }
   for (int m = 0; m < kRows; ++m) {
-    _mm512_storeu_ps(acc + m * kBlock, c[m][0]);
-    _mm512_storeu_ps(acc + m * kBlock + 16, c[m][1]);
+    _mm512_storeu_si512(acc + m * kBlock, (__m512i)c[m][0]);  // (the bits of floats or int32s)
+    _mm512_storeu_si512(acc + m * kBlock + 16, (__m512i)c[m][1]);
   }
 }
 
-using BlockDot = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*);
-const BlockDot kBlockDot[kMaxRows + 1] = {nullptr,        block_dot<1>, block_dot<2>, block_dot<3>, block_dot<4>,
-                                          block_dot<5>, block_dot<6>, block_dot<7>, block_dot<8>};
+// a (m_total, K) · packed (N/32, K/kPack, 32, kPack)ᵀ, block by block; finish(acc, row, col) turns each row's 32
+// sums of the block at column `col` into outputs
+template <typename T, typename Finish>
+void multiply(const typename T::In* a, int64_t m_total, int64_t k, const typename T::Weight* packed, int64_t blocks,
+              Finish finish) {
+  using BlockDot = void (*)(const typename T::In*, int64_t, const typename T::Weight*, int64_t, typename T::Sum*);
+  static const BlockDot kBlockDot[kMaxRows + 1] = {nullptr,         block_dot<T, 1>, block_dot<T, 2>,
+                                                   block_dot<T, 3>, block_dot<T, 4>, block_dot<T, 5>,
+                                                   block_dot<T, 6>, block_dot<T, 7>, block_dot<T, 8>};
+  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    alignas(64) typename T::Sum acc[kMaxRows * kBlock];
+    for (int64_t blk = first; blk < last; ++blk) {
+      for (int64_t m0 = 0; m0 < m_total; m0 += kMaxRows) {
+        const int rows_now = static_cast<int>(std::min<int64_t>(kMaxRows, m_total - m0));
+        kBlockDot[rows_now](a + m0 * k, k, packed + blk * k * kBlock, k / T::kPack, acc);
+        for (int m = 0; m < rows_now; ++m) finish(acc + m * kBlock, m0 + m, blk * kBlock);
+      }
+    }
+  });
+}
 
 // ---- int8 weights (a draft's copy): y = x · Wᵀ with W quantised per output column to int8 and each row of x
 // quantised on the fly to int8 (per row), multiplied with AVX512-VNNI (vpdpbusd: 64 byte products a vector).
@@ -72,32 +109,6 @@ const BlockDot kBlockDot[kMaxRows + 1] = {nullptr,        block_dot<1>, block_do
 // Layout of `packed8`: (N/32, K/4, 32, 4) int8; element [b, q, c, j] = Wq[32 b + c, 4 q + j]. Row m of x becomes
 // u8 = round(x / s_m) + 128 with s_m = max|x_m| / 127, so Σ_k x·W ≈ s_m · w_c · (Σ_k u8·Wq − 128 Σ_k Wq), w_c the
 // column's scale; `columns` (2, N) float holds w_c and 128 Σ_k Wq[c, k].
-
-// acc (rows, 32) int32 = a (rows, K) u8 · one packed block (K/4, 32, 4)
-template <int kRows>
-void block_dot_i8(const uint8_t* a, int64_t lda, const int8_t* b, int64_t quads, int32_t* acc) {
-  __m512i c[kRows][2];
-  for (int m = 0; m < kRows; ++m) c[m][0] = c[m][1] = _mm512_setzero_si512();
-  for (int64_t q = 0; q < quads; ++q) {
-    const int8_t* bq = b + q * 4 * kBlock;
-    const __m512i b0 = _mm512_loadu_si512(bq), b1 = _mm512_loadu_si512(bq + 2 * kBlock);
-#pragma GCC unroll 8
-    for (int m = 0; m < kRows; ++m) {
-      const __m512i am = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + m * lda + 4 * q));
-      c[m][0] = _mm512_dpbusd_epi32(c[m][0], am, b0);
-      c[m][1] = _mm512_dpbusd_epi32(c[m][1], am, b1);
-    }
-  }
-  for (int m = 0; m < kRows; ++m) {
-    _mm512_storeu_si512(acc + m * kBlock, c[m][0]);
-    _mm512_storeu_si512(acc + m * kBlock + 16, c[m][1]);
-  }
-}
-
-using BlockDotI8 = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, int32_t*);
-const BlockDotI8 kBlockDotI8[kMaxRows + 1] = {nullptr, block_dot_i8<1>, block_dot_i8<2>, block_dot_i8<3>,
-                                              block_dot_i8<4>, block_dot_i8<5>, block_dot_i8<6>, block_dot_i8<7>,
-                                              block_dot_i8<8>};
 
 void check_packed(const torch::Tensor& packed) {
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == kBlock &&
@@ -117,7 +128,7 @@ torch::Tensor pack_weight(const torch::Tensor& weight) {
 }
 
 // x (..., K) bf16, packed (N/32, K/2, 32, 2), bias (N,) or none -> (..., N) bf16; with `live`, only the rows of x's
-// first `live` entries are multiplied, the others are zeros (live_rows.h)
+// first `live` entries are multiplied, the others are zeros (small_linear.h)
 torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& packed,
                            const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& live) {
   check_packed(packed);
@@ -125,34 +136,18 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& packed,
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && k == 2 * pairs, "small_linear: x must be bf16 with ", 2 * pairs,
               " features, got ", x.scalar_type(), " ", x.sizes());
   const torch::Tensor rows = x.reshape({-1, k}).contiguous();
-  const int64_t m_all = rows.size(0), m_total = live_rows(x, m_all, live);
-  torch::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "small_linear: bias of ", n, " elements expected, got ", bias->numel());
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = n;
-  torch::Tensor out = torch::empty({m_all, n}, x.options());
-  out.narrow(0, m_total, m_all - m_total).zero_();
-  const uint16_t* a = reinterpret_cast<const uint16_t*>(rows.data_ptr());
-  const uint16_t* b = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  const float* bias_p = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  const int64_t m_total = live_rows(x, rows.size(0), live);
+  const torch::Tensor bias_f = float_bias(bias, n, "small_linear");
+  torch::Tensor out = output_rows(x, rows.size(0), m_total, n);
+  const float* bias_p = data_or_null(bias_f);
   uint16_t* y = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, packed.size(0), 1, [&](int64_t first, int64_t last) {
-    alignas(64) float acc[kMaxRows * kBlock];
-    for (int64_t blk = first; blk < last; ++blk) {
-      const int64_t col = blk * kBlock;
-      for (int64_t m0 = 0; m0 < m_total; m0 += kMaxRows) {
-        const int rows_now = static_cast<int>(std::min<int64_t>(kMaxRows, m_total - m0));
-        kBlockDot[rows_now](a + m0 * k, k, b + blk * pairs * 2 * kBlock, pairs, acc);
-        for (int m = 0; m < rows_now; ++m)
-          store_block_row(_mm512_loadu_ps(acc + m * kBlock), _mm512_loadu_ps(acc + m * kBlock + 16),
-                          bias_p != nullptr ? bias_p + col : nullptr, y + (m0 + m) * n + col);
-      }
-    }
-  });
-  return out.view(shape);
+  multiply<Bf16Dot>(reinterpret_cast<const uint16_t*>(rows.data_ptr()), m_total, k,
+                    reinterpret_cast<const uint16_t*>(packed.data_ptr()), packed.size(0),
+                    [&](const float* acc, int64_t m, int64_t col) {
+                      store_block_row(_mm512_loadu_ps(acc), _mm512_loadu_ps(acc + 16),
+                                      bias_p != nullptr ? bias_p + col : nullptr, y + m * n + col);
+                    });
+  return out.view(out_shape(x, n));
 }
 
 // x (..., K) bf16, packed8 and columns (small_gemm.py's quantize_weight_int8 + pack_int8), bias (N,) or none ->
@@ -169,12 +164,8 @@ torch::Tensor small_linear_int8(const torch::Tensor& x, const torch::Tensor& pac
                   columns.size(1) == n && columns.stride(1) == 1,
               "small_linear_int8: columns must be float (2, ", n, ") with contiguous rows");
   const torch::Tensor rows = x.reshape({-1, k}).contiguous();
-  const int64_t m_all = rows.size(0), m_total = live_rows(x, m_all, live);
-  torch::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "small_linear_int8: bias of ", n, " elements expected, got ", bias->numel());
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const int64_t m_total = live_rows(x, rows.size(0), live);
+  const torch::Tensor bias_f = float_bias(bias, n, "small_linear_int8");
   // each row of x as u8 (round(x / s) + 128) and its scale s (a plain loop: a few rows, no ATen op overhead)
   thread_local std::vector<uint8_t> xq;  // kept between calls: no allocation per call
   thread_local std::vector<float> row_scale;
@@ -196,47 +187,24 @@ torch::Tensor small_linear_int8(const torch::Tensor& x, const torch::Tensor& pac
       _mm_storeu_si128(reinterpret_cast<__m128i*>(xq.data() + m * k + i), _mm512_cvtepi32_epi8(u));
     }
   }
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = n;
-  torch::Tensor out = torch::empty({m_all, n}, x.options());
-  out.narrow(0, m_total, m_all - m_total).zero_();
-  const uint8_t* a = xq.data();
+  torch::Tensor out = output_rows(x, rows.size(0), m_total, n);
   const float* sa = row_scale.data();
-  const int8_t* b = packed.data_ptr<int8_t>();
   const float* col_scale = columns.data_ptr<float>();
   const float* col_comp = col_scale + columns.stride(0);
-  const float* bias_p = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  const float* bias_p = data_or_null(bias_f);
   uint16_t* y = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, packed.size(0), 1, [&](int64_t first, int64_t last) {
-    alignas(64) int32_t acc[kMaxRows * kBlock];
-    for (int64_t blk = first; blk < last; ++blk) {
-      const int64_t col = blk * kBlock;
-      const __m512 ws0 = _mm512_loadu_ps(col_scale + col), ws1 = _mm512_loadu_ps(col_scale + col + 16);
-      const __m512 wc0 = _mm512_loadu_ps(col_comp + col), wc1 = _mm512_loadu_ps(col_comp + col + 16);
-      for (int64_t m0 = 0; m0 < m_total; m0 += kMaxRows) {
-        const int rows_now = static_cast<int>(std::min<int64_t>(kMaxRows, m_total - m0));
-        kBlockDotI8[rows_now](a + m0 * k, k, b + blk * quads * 4 * kBlock, quads, acc);
-        for (int m = 0; m < rows_now; ++m) {
-          const __m512 s = _mm512_set1_ps(sa[m0 + m]);
-          const __m512 raw0 = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + m * kBlock)), wc0);
-          const __m512 raw1 = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + m * kBlock + 16)), wc1);
-          store_block_row(_mm512_mul_ps(raw0, _mm512_mul_ps(ws0, s)), _mm512_mul_ps(raw1, _mm512_mul_ps(ws1, s)),
-                          bias_p != nullptr ? bias_p + col : nullptr, y + (m0 + m) * n + col);
-        }
-      }
-    }
-  });
-  return out.view(shape);
+  multiply<Int8Dot>(xq.data(), m_total, k, packed.data_ptr<int8_t>(), packed.size(0),
+                    [&](const int32_t* acc, int64_t m, int64_t col) {
+                      const __m512 s = _mm512_set1_ps(sa[m]);
+                      const __m512 raw0 = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc)),
+                                                        _mm512_loadu_ps(col_comp + col));
+                      const __m512 raw1 = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + 16)),
+                                                        _mm512_loadu_ps(col_comp + col + 16));
+                      store_block_row(_mm512_mul_ps(raw0, _mm512_mul_ps(_mm512_loadu_ps(col_scale + col), s)),
+                                      _mm512_mul_ps(raw1, _mm512_mul_ps(_mm512_loadu_ps(col_scale + col + 16), s)),
+                                      bias_p != nullptr ? bias_p + col : nullptr, y + m * n + col);
+                    });
+  return out.view(out_shape(x, n));
 }
 
-TORCH_LIBRARY(drafthead_kernels, m) {
-  m.def("pack_weight(Tensor weight) -> Tensor");
-  m.def("small_linear(Tensor x, Tensor packed, Tensor? bias, Tensor? live=None) -> Tensor");
-  m.def("small_linear_int8(Tensor x, Tensor packed, Tensor columns, Tensor? bias, Tensor? live=None) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(drafthead_kernels, CPU, m) {
-  m.impl("pack_weight", &pack_weight);
-  m.impl("small_linear", &small_linear);
-  m.impl("small_linear_int8", &small_linear_int8);
-}
+DRAFTHEAD_SMALL_LINEAR_OPS(drafthead_kernels)

@@ -2,14 +2,12 @@
 small_gemm_avx2.cpp: float32 with AVX2 + FMA), and the linear layers that use them.
 
 Why: a decoding step or a tree verification multiplies a handful of rows by every weight of the model, so it is
-bound by reading the weights once, and PyTorch's linears do not stream them at that size (results/HISTORY.md). Each
+bound by reading the weights once, and PyTorch's linears do not stream them at that size (docs/results/HISTORY.md). Each
 output is summed in the same order whatever the number of rows, so a token's logits do not depend on the tree
-verified beside it. Each kernel is built on first use where the CPU has its instructions (kernels.py).
-`use_small_row_kernel(model)` turns a model's bf16 `nn.Linear` modules (and, asked, its float32 ones) into
-`SmallRowLinear` in place: same parameters and state dict, plus a packed copy of each weight. They use the kernel
-only inside `small_row_kernel(max_rows)` (the runners' decoding sessions) and only for inputs of up to `max_rows`
-rows; elsewhere (a prompt, the user's own calls of the model) they are exactly nn.Linear, and release_kernels gives
-the model its own linears back.
+verified beside it. `use_small_row_kernel(model)` turns a model's bf16 (and, asked, float32) `nn.Linear` modules
+into `SmallRowLinear` in place (same parameters and state dict, plus a packed copy of each weight), which use the
+kernel only inside `small_row_kernel(max_rows)` for inputs of up to `max_rows` rows and are exactly nn.Linear
+elsewhere; release_kernels gives the model its own linears back.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ from .kernels import BLOCK, FLOAT_BLOCK, avx2_kernels_available, kernels_availab
 # of oneDNN's time; beyond that the step is no longer bound by the weights)
 KERNEL_ROWS = 16
 # a batch's verify step multiplies rows x tree tokens: the static runner's sessions allow this many, where the kernel
-# still beats oneDNN and MKL (results/HISTORY.md)
+# still beats oneDNN and MKL (docs/results/HISTORY.md)
 BATCH_KERNEL_ROWS = 64
 
 # the row limit inside small_row_kernel() (0: outside); a module global, so a compiled step guards on it (a module
@@ -120,10 +118,8 @@ class SmallRowLinear(nn.Linear):
 
 
 # ---------------------------------------------------------------------------------------------- int8 drafting
-# A draft need not compute exactly what the target does (the target verifies every token it proposes), only agree
-# with it often: a self-draft's step is bound by reading the weights, and an int8 copy of them (per output column)
-# halves the bytes (AVX512-VNNI, each input row quantised on the fly) or quarters float32's (AVX2, weight-only);
-# measurements in results/HISTORY.md.
+# A draft only needs to agree with the target often (the target verifies every token it proposes), and its step is
+# bound by reading the weights: an int8 copy of them halves bf16's bytes or quarters float32's (docs/results/HISTORY.md).
 
 
 class Int8CopyLinear(nn.Linear):
@@ -293,8 +289,7 @@ class FuseSiblingLinears(CustomGraphPass):
     weights (and int8 columns) lie back to back in one buffer (use_small_row_kernel and use_int8_weights pack
     siblings so) become ONE call over the span, its output sliced per original call. Each output element is
     summed exactly as before (the kernels sum every column alike), so results are bit-identical; a step makes
-    fewer calls, each streaming a longer weight (SmolLM2-135M: 211 -> 121 calls per step). The fused weight is a
-    view of the same storage: no copy."""
+    fewer calls, each streaming a longer weight. The fused weight is a view of the same storage: no copy."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         module = graph.owning_module

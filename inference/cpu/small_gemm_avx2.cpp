@@ -20,7 +20,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "live_rows.h"
+#include "small_linear.h"
 
 namespace {
 
@@ -114,20 +114,6 @@ torch::Tensor rows_of(const torch::Tensor& x, const torch::Tensor& packed, at::S
   return x.reshape({-1, x.size(-1)}).contiguous();
 }
 
-torch::Tensor float_bias(const c10::optional<torch::Tensor>& bias, int64_t n, const char* op) {
-  if (!bias.has_value() || !bias->defined()) return torch::Tensor();
-  TORCH_CHECK(bias->numel() == n, op, ": bias of ", n, " elements expected, got ", bias->numel());
-  return bias->to(at::kFloat).contiguous();
-}
-
-float* data_or_null(const torch::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
-
-std::vector<int64_t> out_shape(const torch::Tensor& x, int64_t n) {
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = n;
-  return shape;
-}
-
 }  // namespace
 
 // (N, K) float (or int8: small_linear_int8's weights) -> (N/16, K, 16): N a multiple of 16
@@ -140,15 +126,14 @@ torch::Tensor pack_weight(const torch::Tensor& weight) {
 }
 
 // x (..., K) float, packed (N/16, K, 16) float, bias (N,) or none -> (..., N) float; with `live`, only the rows of
-// x's first `live` entries are multiplied, the others are zeros (live_rows.h)
+// x's first `live` entries are multiplied, the others are zeros (small_linear.h)
 torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& packed,
                            const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& live) {
   const torch::Tensor rows = rows_of(x, packed, at::kFloat, "small_linear");
   const int64_t blocks = packed.size(0), n = blocks * kBlock;
   const int64_t m_live = live_rows(x, rows.size(0), live);
   const torch::Tensor bias_f = float_bias(bias, n, "small_linear");
-  torch::Tensor out = torch::empty({rows.size(0), n}, x.options());
-  out.narrow(0, m_live, rows.size(0) - m_live).zero_();
+  torch::Tensor out = output_rows(x, rows.size(0), m_live, n);
   multiply(rows.data_ptr<float>(), m_live, rows.size(1), packed.data_ptr<float>(), blocks, nullptr,
            data_or_null(bias_f), out.data_ptr<float>());
   return out.view(out_shape(x, n));
@@ -168,21 +153,10 @@ torch::Tensor small_linear_int8(const torch::Tensor& x, const torch::Tensor& pac
               "small_linear_int8: columns must be float (2, ", n, "), got ", columns.sizes());
   const torch::Tensor scale = columns.select(0, 0).contiguous();
   const torch::Tensor bias_f = float_bias(bias, n, "small_linear_int8");
-  torch::Tensor out = torch::empty({rows.size(0), n}, x.options());
-  out.narrow(0, m_live, rows.size(0) - m_live).zero_();
+  torch::Tensor out = output_rows(x, rows.size(0), m_live, n);
   multiply(rows.data_ptr<float>(), m_live, rows.size(1), packed.data_ptr<int8_t>(), blocks,
            scale.data_ptr<float>(), data_or_null(bias_f), out.data_ptr<float>());
   return out.view(out_shape(x, n));
 }
 
-TORCH_LIBRARY(drafthead_avx2, m) {
-  m.def("pack_weight(Tensor weight) -> Tensor");
-  m.def("small_linear(Tensor x, Tensor packed, Tensor? bias, Tensor? live=None) -> Tensor");
-  m.def("small_linear_int8(Tensor x, Tensor packed, Tensor columns, Tensor? bias, Tensor? live=None) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(drafthead_avx2, CPU, m) {
-  m.impl("pack_weight", &pack_weight);
-  m.impl("small_linear", &small_linear);
-  m.impl("small_linear_int8", &small_linear_int8);
-}
+DRAFTHEAD_SMALL_LINEAR_OPS(drafthead_avx2)

@@ -12,22 +12,40 @@
 #include <cstdint>
 #include <vector>
 
-// query (B, H, n, D), key/value (B, KVH, S, D) contiguous, mask (B or 1, 1, n, >= S): shapes only (each kernel
-// checks its dtypes)
-inline void check_prefix_attention(const char* name, const torch::Tensor& query, const torch::Tensor& key,
-                                   const torch::Tensor& value, const torch::Tensor& mask, int64_t max_queries) {
-  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && mask.dim() == 4, name,
-              ": 4-D query, key, value and mask expected");
-  TORCH_CHECK(key.is_contiguous() && value.is_contiguous(), name, ": contiguous key/value buffers");
-  const int64_t batch = query.size(0), heads = query.size(1), n = query.size(2), dim = query.size(3);
-  const int64_t slots = key.size(2);
-  TORCH_CHECK(n <= max_queries, name, ": at most ", max_queries, " queries, got ", n);
-  TORCH_CHECK(dim == 32 || dim == 64 || dim == 128, name, ": head_dim 32, 64 or 128, got ", dim);
-  TORCH_CHECK(heads % key.size(1) == 0 && key.size(3) == dim && value.sizes() == key.sizes() && key.size(0) == batch,
-              name, ": shapes do not match: query ", query.sizes(), " key ", key.sizes());
-  TORCH_CHECK(mask.size(2) == n && mask.size(3) >= slots && (mask.size(0) == batch || mask.size(0) == 1), name,
-              ": mask ", mask.sizes(), " for query ", query.sizes(), " and ", slots, " slots");
-}
+// One call's sizes, after checking its arguments: query (B, H, n, D) (any strides), key/value (B, KVH, S, D)
+// contiguous, all of `dtype`, mask (B or 1, 1, n, >= S) additive, of `dtype` or float; length (0-dim): the used
+// slots, rows (0-dim): the leading batch rows in use; `spans` of `split` keys cover the used slots. `out`
+// (B, n, H, D) of `dtype` starts as zeros (rows past `alive` stay so).
+struct PrefixCall {
+  int64_t batch, heads, n, dim, kv_heads, slots, used, alive, groups, spans;
+  torch::Tensor out;
+
+  PrefixCall(const char* name, const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+             const torch::Tensor& mask, const torch::Tensor& length, const torch::Tensor& rows, at::ScalarType dtype,
+             int64_t max_queries, int64_t split) {
+    TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && mask.dim() == 4, name,
+                ": 4-D query, key, value and mask expected");
+    TORCH_CHECK(key.is_contiguous() && value.is_contiguous(), name, ": contiguous key/value buffers");
+    batch = query.size(0), heads = query.size(1), n = query.size(2), dim = query.size(3);
+    kv_heads = key.size(1), slots = key.size(2);
+    TORCH_CHECK(n <= max_queries, name, ": at most ", max_queries, " queries, got ", n);
+    TORCH_CHECK(dim == 32 || dim == 64 || dim == 128, name, ": head_dim 32, 64 or 128, got ", dim);
+    TORCH_CHECK(heads % kv_heads == 0 && key.size(3) == dim && value.sizes() == key.sizes() && key.size(0) == batch,
+                name, ": shapes do not match: query ", query.sizes(), " key ", key.sizes());
+    TORCH_CHECK(mask.size(2) == n && mask.size(3) >= slots && (mask.size(0) == batch || mask.size(0) == 1), name,
+                ": mask ", mask.sizes(), " for query ", query.sizes(), " and ", slots, " slots");
+    TORCH_CHECK(query.scalar_type() == dtype && key.scalar_type() == dtype && value.scalar_type() == dtype &&
+                    (mask.scalar_type() == dtype || mask.scalar_type() == at::kFloat),
+                name, ": ", dtype, " query, key and value and a ", dtype, " or float mask expected");
+    used = std::min<int64_t>(length.item<int64_t>(), slots);
+    alive = std::min<int64_t>(rows.item<int64_t>(), batch);
+    groups = heads / kv_heads;
+    spans = std::max<int64_t>(1, (used + split - 1) / split);
+    out = torch::zeros({batch, n, heads, dim}, query.options());
+  }
+
+  bool empty() const { return used == 0 || alive == 0; }
+};
 
 // The partial results of every (row, KV head, span): each lane's running max and sum and its unnormalised weighted
 // values (dim floats). Lane `lane` of (row b, KV head kvh) is query lane % n of head kvh * groups + lane / n; lanes
@@ -36,12 +54,11 @@ struct SpanResults {
   int64_t kv_heads, lanes, lanes_pad, spans, dim, n, heads, groups;
   std::vector<float> max, sum, acc;
 
-  SpanResults(int64_t alive, int64_t kv_heads, int64_t lanes, int64_t lanes_pad, int64_t spans, int64_t dim,
-              int64_t n, int64_t heads, int64_t groups)
-      : kv_heads(kv_heads), lanes(lanes), lanes_pad(lanes_pad), spans(spans), dim(dim), n(n), heads(heads),
-        groups(groups) {
+  SpanResults(const PrefixCall& call, int64_t lanes, int64_t lanes_pad)
+      : kv_heads(call.kv_heads), lanes(lanes), lanes_pad(lanes_pad), spans(call.spans), dim(call.dim), n(call.n),
+        heads(call.heads), groups(call.groups) {
     if (spans > 1) {
-      const size_t pieces = static_cast<size_t>(alive * kv_heads * spans * lanes_pad);
+      const size_t pieces = static_cast<size_t>(call.alive * kv_heads * spans * lanes_pad);
       max.resize(pieces);
       sum.resize(pieces);
       acc.resize(pieces * static_cast<size_t>(dim));
@@ -94,10 +111,21 @@ struct SpanResults {
   }
 };
 
-// The op's schema, the same for both kernel libraries (the bf16 one and the float32 one).
-#define DRAFTHEAD_PREFIX_ATTENTION_OP(library, function)                                                            \
+// The prefix_attention op of one kernel library (the same schema for both): its arguments checked (PrefixCall), then
+// attend(call, query, key, value, mask, scaling) writes the alive rows of call.out.
+#define DRAFTHEAD_PREFIX_ATTENTION_OP(library, dtype, max_queries, split, attend)                                  \
+  namespace {                                                                                                       \
+  torch::Tensor prefix_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,  \
+                                 const torch::Tensor& mask, double scaling, const torch::Tensor& length,          \
+                                 const torch::Tensor& rows) {                                                     \
+    const PrefixCall call(#library "::prefix_attention", query, key, value, mask, length, rows, dtype, max_queries, \
+                          split);                                                                                   \
+    if (!call.empty()) attend(call, query, key, value, mask, scaling);                                              \
+    return call.out;                                                                                                \
+  }                                                                                                                 \
+  }                                                                                                                 \
   TORCH_LIBRARY_FRAGMENT(library, m) {                                                                              \
     m.def("prefix_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scaling, Tensor length, "     \
           "Tensor rows) -> Tensor");                                                                                \
   }                                                                                                                 \
-  TORCH_LIBRARY_IMPL(library, CPU, m) { m.impl("prefix_attention", &function); }
+  TORCH_LIBRARY_IMPL(library, CPU, m) { m.impl("prefix_attention", &prefix_attention); }

@@ -1,14 +1,10 @@
 """Draft-model drafting: classic speculative sampling with a smaller causal LM (Leviathan et al. 2023; Chen et al.
 2023).
 
-The draft model keeps its own KV cache (a runner like the target's: static buffers where the architecture allows)
-and drafts a chain of `gamma` tokens: greedy, or sampled from its processed distribution q (same temperature,
-top-k and top-p as the target). The chain carries q, so verification accepts each token with min(1, p/q) and, on a
-rejection, draws the bonus from norm(max(0, p - q)) (verify.py); at temperature 0 this is exact matching. After
-verification the draft cache is rolled back to the accepted prefix: drafts it holds beyond it are forgotten, and
-accepted tokens it has not seen yet (the last draft, and always the bonus) are fed at the next proposal. Every row
-of a batch drafts at once on the draft's own static runner (rows feed different numbers of pending tokens: the
-shorter ones are padded and their padding never committed).
+The draft model keeps its own KV (a runner like the target's) and drafts a chain of `gamma` tokens: greedy, or
+sampled from its processed distribution q, which the chain carries so verification accepts with min(1, p/q)
+(verify.py). After verification the draft cache is rolled back to the accepted prefix; accepted tokens it has not
+seen yet (the last draft, and always the bonus) are fed at the next proposal, every row at once (shorter rows padded).
 """
 
 from __future__ import annotations

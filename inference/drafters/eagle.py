@@ -89,11 +89,12 @@ class HeadDrafter:
         self.next_pos: torch.Tensor | None = None  # (B,) pairs fed so far (the root's position)
         self.pending: dict[str, torch.Tensor] = {}  # true pairs waiting for the next root
         self.stable_slots = self.capacity = 0
-        # the tree's expansion (every depth and the selection) as one compiled graph per tree shape and buffer
-        # shape; its many small kernels are called from C++ on CPU
-        self._expand = (compile_step(self._expand_tree, self.device, cpp_wrapper=self.device.type == "cpu",
-                                     name=f"draft{options.depth}_{options.top_k}_{options.total_tokens}")
-                        if compile else self._expand_tree)
+        # a steady drafting step (feed the last verification's pairs, expand every depth, select) as one compiled
+        # graph per tree shape and batch size; its many small kernels are called from C++ on CPU. A prompt's
+        # feed, whose length varies, runs eagerly.
+        self._step = (compile_step(self._draft, self.device, cpp_wrapper=self.device.type == "cpu",
+                                   name=f"draft{options.depth}_{options.top_k}_{options.total_tokens}")
+                      if compile else self._draft)
 
     @property
     def feature_layers(self) -> list[int]:
@@ -153,9 +154,9 @@ class HeadDrafter:
     @torch.inference_mode()
     def propose(self, roots: torch.Tensor, params=None, generator=None) -> DraftTree:
         """Feed each row's pending pairs (the last one's token is its root), then draft the rows' trees."""
+        steady = self.pending["tokens"].shape[1] == self.path_width
         with self._drafting():
-            last, scores, tokens = self._feed(roots)
-            return DraftTree(*self._expand(roots, last, scores, tokens))
+            return DraftTree(*(self._step if steady else self._draft)(roots))
 
     @torch.inference_mode()
     def skip(self, roots: torch.Tensor) -> None:
@@ -163,13 +164,23 @@ class HeadDrafter:
         with self._drafting():
             self._feed_pending(roots)
 
+    @property
+    def path_width(self) -> int:
+        """Nodes on the longest path of the head's own trees (root included): the pairs a steady step feeds."""
+        return self.opt.depth + 1
+
     def accept(self, accepted: Accepted, features: torch.Tensor) -> None:
-        """Row i's pairs: the accepted nodes' true features, each with the token after it (the last: the root)."""
-        nodes = accepted.paths.clamp_min(0)  # (B, W); padding reads node 0, never used
+        """Row i's pairs: the accepted nodes' true features, each with the token after it (the last: the root).
+        They are padded to path_width (the steady step's one shape) unless a longer path was accepted (a lookup
+        branch's chain)."""
+        longest = max((len(p) for p in accepted.host_paths), default=0)
+        width = self.path_width if longest <= self.path_width else accepted.paths.shape[1]
+        nodes = widen(accepted.paths[:, :width], width).clamp_min(0)  # (B, width); padding reads node 0, never used
         feats = features.gather(1, nodes[..., None].expand(-1, -1, features.shape[-1]))
         j = torch.arange(nodes.shape[1], device=nodes.device)[None, :]
         counts = accepted.counts[:, None]
-        self._wait(feats, accepted.tokens.clamp_min(0), self.next_pos[:, None] + j, j < counts, j == counts - 1)
+        tokens = widen(accepted.tokens[:, :width], width).clamp_min(0)
+        self._wait(feats, tokens, self.next_pos[:, None] + j, j < counts, j == counts - 1)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         self.cache.keys, self.cache.values = self.cache.keys[rows], self.cache.values[rows]
@@ -215,12 +226,12 @@ class HeadDrafter:
         self.cache.slots = slots
         return self.head(tokens, hidden, positions, to_additive(allowed.unsqueeze(1), self.dtype), self.cache)
 
-    def _feed(self, roots: torch.Tensor):
-        """Feed the pending pairs (in chunks for a prompt). Returns each row's head output at its last pair
-        (B, 1, H) and that output's top-k (log-probs (B, k), target ids (B, k)): depth 1 of the tree."""
-        last = self._feed_pending(roots)
-        scores, ids = head_top_k(self.head, last[:, 0], self.opt.top_k)
-        return last, scores, ids
+    def _draft(self, roots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One drafting step: feed the pending pairs (in chunks for a prompt); the head's output at each row's last
+        pair gives depth 1 of its tree; expand and select. Returns select_tree's tensors."""
+        last = self._feed_pending(roots)  # (B, 1, H)
+        scores, tokens = head_top_k(self.head, last[:, 0], self.opt.top_k)
+        return self._expand_tree(roots, last, scores, tokens)
 
     def _feed_pending(self, roots: torch.Tensor) -> torch.Tensor:
         """Feed the pending pairs, the last one's token being each row's root. Returns each row's head output at

@@ -7,13 +7,11 @@ down to `min_ngram`, find the most recent earlier position where the context's l
 this engine's runner; it pays on outputs that repeat their input (editing, extraction, code, summaries).
 
 LookupBranch composes: beside a drafter's trees (an EAGLE head's, a self-draft's chains) each row's chain is walked
-down from the root of that row's drafted tree, sharing the nodes the drafter already proposed (their origin gets
-both bits), and the rest hangs from the first token the drafter did not propose, at most `nodes` new nodes a row.
-Beside PlainDrafter (the root alone) it is prompt lookup on its own. The rows' trees of a step are padded to the
-largest with copies of a row's first drafted node (or of its root), which never changes what is accepted (greedy:
-the deepest correct path, first in index order, is kept; sampling: a copy is one more point-mass proposal against
-the residual, exact for any sequence of proposals, and always rejected when its token has already been rejected).
-The two guess different things (fluent continuations vs. copies from the context), and one tree can hold both.
+down from the row's root, sharing the nodes the drafter already proposed (their origin gets both bits), the rest
+hanging from the first token the drafter did not propose, at most `nodes` new nodes a row; beside PlainDrafter it is
+prompt lookup on its own. The rows' trees are padded to the largest with copies of a row's first drafted node (or
+root), which never changes what is accepted (greedy keeps the deepest correct path, first in index order; sampling
+meets one more point-mass proposal, exact for any sequence of proposals).
 """
 
 from __future__ import annotations
@@ -25,19 +23,6 @@ import torch
 from ..drafter import Accepted, PlainDrafter
 from ..sampling import SamplingParams
 from ..tree import DraftTree
-
-
-def lookup_continuation(context: list[int], num_tokens: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
-    """The tokens after the most recent earlier match of the context's last n tokens (longest n first); [] if
-    none. A match must be followed by at least one token."""
-    end = len(context)
-    for n in range(min(max_ngram, end - 1), min_ngram - 1, -1):
-        pattern = context[end - n:]
-        first = pattern[0]
-        for start in range(end - n - 1, -1, -1):  # latest match first; a match must leave a token after it
-            if context[start] == first and context[start: start + n] == pattern:
-                return context[start + n: start + n + num_tokens]
-    return []
 
 
 class NgramIndex:
@@ -63,8 +48,7 @@ class NgramIndex:
 
     def continuation(self, num_tokens: int, min_ngram: int = 1) -> list[int]:
         """What followed the latest earlier occurrence of the last n tokens (longest n first), at most num_tokens;
-        [] if none. The same as lookup_continuation on these tokens, without a scan of the context: where a scan
-        of an 8k-token context costs milliseconds in Python a step, this is a few dictionary reads."""
+        [] if none: a few dictionary reads, where a scan of an 8k-token context costs milliseconds a step."""
         seq = self.tokens
         for n in range(min(self.max_ngram, len(seq) - 1), min_ngram - 1, -1):
             start = self.latest.get(tuple(seq[len(seq) - n:]))

@@ -6,30 +6,20 @@ full-KV target verifies the chain as usual (greedy, or lossless speculative samp
 context is long, each step of the full target reads far more KV than weights, while a draft step reads only
 sink + window entries, so drafting stays cheap however long the context grows.
 
-The draft keeps its own buffers (sink + window + gamma slots per row, constant in the context length: runners/kv.py's
-streaming layout). They are never computed by the draft itself: after every verification the newly committed
-entries are copied from the target's full buffers, so the draft always holds the target's exact KV for the
-positions it keeps; only its drafted tokens (written in scratch slots after the ring) are its own.
+The draft keeps its own buffers (sink + window + gamma slots per row: runners/kv.py's streaming layout). After
+every verification the newly committed entries are copied from the target's full buffers, so the draft holds the
+target's exact KV for the positions it keeps; only its drafted tokens (in scratch slots after the ring) are its own.
+While a batch decodes the draft buffers keep their batch size (the rows still alive first, the last repeated), so a
+compiled draft step never recompiles as rows leave; the padding rows cost no attention nor GEMM work
+(small_gemm.live_entries).
 
-The draft step's shape never changes while a batch decodes: when rows finish, the draft buffers keep their batch
-size (the rows still alive first, the last of them repeated after), so with `compile` (the step is one
-torch.compile graph) no row leaving costs a recompile; the padding rows are left out of the attention and of the
-kernels' GEMMs (small_gemm.live_entries), though a draft step over a constant-size KV costs about the same for 4
-rows as for 8 anyway (it reads the weights once either way).
-
-`weights="int8"`: the draft multiplies with an int8 copy of the target's linear weights (small_gemm.py's
-int8_weights; each input row quantised to int8 too): a draft step streams half the bytes of the weights, which is
-what it is bound by. The target still verifies with its own weights: lossless either way.
-
-`vocab` (optional): the target ids the draft may propose, e.g. the N most frequent (draft_vocab.frequent_tokens).
-Then a draft step computes its logits over those rows of the lm_head only; with SmolLM2's 49k-row lm_head tied to
-its embedding, that is a fifth of the weights each draft step reads. The output stays lossless: the full target
-still verifies (greedy), and the draft's q is its own distribution over those tokens (sampling).
+`weights="int8"`: the draft multiplies with an int8 copy of the target's linear weights (small_gemm.int8_weights),
+half the bytes a draft step streams. `vocab`: the target ids the draft may propose (draft_vocab.frequent_tokens);
+a draft step then computes logits over those lm_head rows only. The full target verifies either way: lossless.
 """
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import torch
@@ -40,6 +30,7 @@ from drafthead.masks import to_additive
 from drafthead.utils import cache_argument
 
 from ..cpu.small_gemm import int8_weights, live_entries, release_kernels, use_int8_weights
+from ..drafter import Drafter
 from ..runners.attention import kv_length_kwargs
 from ..runners.compile import compile_step
 from ..runners.kv import SlotMap, keep_leading_rows, set_write_slot, static_cache
@@ -50,7 +41,7 @@ from ..tree import DraftTree
 DRAFT_WEIGHTS = ("same", "int8")
 
 
-class StreamingSelfDrafter:
+class StreamingSelfDrafter(Drafter):
     """A drafter (drafter.Drafter): the target with a StreamingLLM KV drafts chains of `gamma`."""
 
     name = "self"
@@ -83,7 +74,7 @@ class StreamingSelfDrafter:
             self.vocab_weight = lm_head.weight.detach()[self.vocab].contiguous()  # (K, H)
         # the draft buffers' guards are skipped (compile_step's `unguarded`): each batch size has its own buffers for
         # the drafter's life (begin), and its own graph (the tokens' shape); on CPU the step's many small calls are
-        # made from C++ (cpp_wrapper; results/HISTORY_LONG_CONTEXT.md)
+        # made from C++ (cpp_wrapper; docs/results/HISTORY_LONG_CONTEXT.md)
         device = next(model.parameters()).device
         self._step = (compile_step(self._draft_step, device, name="self_draft", unguarded=("self.cache",),
                                    cpp_wrapper=device.type == "cpu") if compile else self._draft_step)
@@ -115,9 +106,6 @@ class StreamingSelfDrafter:
         """Shape of one layer's draft key buffer (B, kv_heads, sink + window + gamma + 1, head_dim)."""
         return tuple(self.cache.layers[0].keys.shape)
 
-    def session(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()  # the target's own forward, inside the target runner's session
-
     def begin(self, runner, input_ids, attention_mask, features) -> None:
         """Fresh draft buffers for the runner's rows, filled with the prompt's sinks and last `window` entries."""
         self.runner = runner
@@ -133,8 +121,7 @@ class StreamingSelfDrafter:
     def _refresh(self, start: torch.Tensor, stop: torch.Tensor, rows: list[int] | None = None) -> None:
         """Copy each row's committed positions [start_i, stop_i) that the layout keeps from the target's buffers;
         start, stop (R,) of the rows `rows` (default: every row in use). Per row one gather and one write along the
-        slots for all layers (both caches keep every layer in one tensor, static_cache), where a copy per layer took
-        120 advanced-indexing ops (SmolLM2, 8 rows: ~2.6 -> ~0.3 ms a step; an 8k row's admission ~35 -> ~4 ms)."""
+        slots for all layers (both caches keep every layer in one tensor, static_cache), not one per layer."""
         if rows is None:  # the runner's rows; draft rows after them only pad the batch
             rows = list(range(self.alive))
         index = torch.tensor(rows, device=start.device)

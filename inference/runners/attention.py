@@ -2,13 +2,9 @@
 public AttentionInterface so any model that dispatches through it can use it.
 
 Why: on CPU, PyTorch's bf16 SDPA kernel is built for long query blocks and costs several times two small matmuls
-for the 1-64 queries of decoding and tree verification (results/HISTORY.md), so the static runner uses this on CPU
-in low precision. Grouped-query attention folds the query heads of each KV head into the query axis instead of
-repeating the keys (no copy of the KV buffer per step).
-
-On a CPU with AVX512-BF16, in bf16, the runners use `kernel_attention` instead: prefix_attention.cpp reads only
-the used slots of the buffer in place (the matmuls either read the whole buffer or copy its strided prefix); in
-float32 on a CPU with AVX2, prefix_attention_avx2.cpp does the same.
+for the 1-64 queries of decoding and tree verification (docs/results/HISTORY.md). Where the CPU has one, the runners use
+the C++ kernels (`kernel_attention`: prefix_attention.cpp in bf16, prefix_attention_avx2.cpp in float32), which
+read only the used slots of the buffer in place.
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ from ..cpu.kernels import avx2_kernels_available, kernels_available
 NAME = "drafthead_matmul"
 # Inside a compiled step, query blocks up to this size are traced (attend() inline: the compiler fuses the mask,
 # softmax and layout copies around its two matmuls, and no Python op runs per layer) instead of calling the opaque
-# prefix_attention op, which saves the op's per-layer overhead (results/HISTORY.md). Larger blocks (a prompt's
+# prefix_attention op, which saves the op's per-layer overhead (docs/results/HISTORY.md). Larger blocks (a prompt's
 # chunks) and calls with `rows` keep the op, which slices to the used prefix and skips the rows not in use.
 TRACED_MAX_QUERIES = 16
 PREFILL_NAME = "drafthead_sdpa_prefix"
@@ -39,13 +35,9 @@ def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     batch that are in use (the static runner keeps its shape as rows finish; later rows get zeros, unread). Returns
     (B, n, heads, D).
     An opaque op, so a compiled step keeps one static shape while the work follows the sequence length and the
-    rows in use (a leading slice of the batch axis is contiguous: no copy).
-    Two passes over the scores besides the matmuls (mask added in place; PyTorch's CPU softmax of bf16/fp16 input
-    computes in float32 and rounds once), with the same probabilities as casting around the softmax, and faster.
-    Slicing: a prefix of the buffer is not contiguous across (row, head), and PyTorch's CPU matmul copies such an
-    operand first, at several times the matmul's cost (results/HISTORY_LONG_CONTEXT.md). So the whole buffer is
-    read (the mask hides the unused slots) when the extra scores that costs (queries × unused slots) are fewer than
-    the used slots a slice would copy: decoding and short trees over a tight buffer; a prompt's long chunks slice."""
+    rows in use. A prefix of the buffer is not contiguous across (row, head) and PyTorch's CPU matmul would copy it
+    first (docs/results/HISTORY_LONG_CONTEXT.md), so the whole buffer is read (the mask hides the unused slots) when the
+    extra scores (queries × unused slots) are fewer than the used slots a slice would copy."""
     used, alive = int(length), int(rows)
     full, heads, n, d = query.shape
     if alive < full:
@@ -53,7 +45,7 @@ def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         out[:alive] = prefix_attention(query[:alive], key[:alive], value[:alive], mask[:alive], scaling, length,
                                        rows)
         return out
-    if n * (key.shape[2] - used) > used:  # see the note on slicing above
+    if n * (key.shape[2] - used) > used:  # (see the docstring)
         key, value, mask = key[:, :, :used], value[:, :, :used], mask[..., :used]
     return attend(query, key, value, mask, scaling, add_in_place=True)
 
@@ -81,19 +73,12 @@ def _(query, key, value, mask, scaling, length, rows):
     return query.new_empty(b, n, heads, d)
 
 
-def matmul_attention(
-    module: nn.Module,
-    query: torch.Tensor,  # (B, heads, n, D)
-    key: torch.Tensor,  # (B, kv_heads, S, D)
-    value: torch.Tensor,  # (B, kv_heads, S, D)
-    attention_mask: torch.Tensor | None,  # (B, 1, n, S) additive
-    scaling: float,
-    dropout: float = 0.0,
-    drafthead_kv_length: torch.Tensor | None = None,
-    drafthead_rows: torch.Tensor | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature; `drafthead_kv_length` (passed to the model's forward by the
+def matmul_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
+                     drafthead_kv_length: torch.Tensor | None = None, drafthead_rows: torch.Tensor | None = None,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature (query (B, heads, n, D), key/value (B, kv_heads, S, D),
+    attention_mask (B, 1, n, S) additive); `drafthead_kv_length` (passed to the model's forward by the
     static runner) limits the work to the used part of a preallocated buffer, `drafthead_rows` (the static runner)
     to the leading rows in use."""
     b, _, n, _ = query.shape
@@ -135,7 +120,7 @@ def kernel_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     """The C++ prefix-attention kernels (kernel_op: bf16 with AVX512-BF16, float32 with AVX2; up to
     KERNEL_MAX_QUERIES queries): read the used slots of the buffer in place, each KV head's keys and values once
     for all its queries, float32 softmax; anything else goes to matmul_attention. Faster than the matmuls because
-    it reads only the used slots, once (results/HISTORY.md; float32: results/prefix_attention_avx2_ab_zen3.json)."""
+    it reads only the used slots, once (docs/results/HISTORY.md; float32: docs/results/prefix_attention_avx2_ab_zen3.json)."""
     b, _, n, d = query.shape
     op = _KERNEL_OPS.get(query.dtype)
     if (op is None or n > KERNEL_MAX_QUERIES or attention_mask is None or d not in (32, 64, 128)
@@ -155,7 +140,7 @@ def prefix_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
                           attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
                           drafthead_kv_length: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """PyTorch SDPA over the used prefix of a preallocated buffer only: for long query blocks (a prompt's chunks),
-    where SDPA's fused kernel wins and attending the whole buffer would multiply the work (results/HISTORY_LONG_CONTEXT.md)."""
+    where SDPA's fused kernel wins and attending the whole buffer would multiply the work (docs/results/HISTORY_LONG_CONTEXT.md)."""
     used = int(drafthead_kv_length) if drafthead_kv_length is not None else key.shape[2]
     key, value = key[:, :, :used], value[:, :, :used]
     mask = attention_mask[..., :used] if attention_mask is not None else None
@@ -184,7 +169,7 @@ def kv_length_kwargs(model: nn.Module, kv_length: int | torch.Tensor | None,
 def prefers_matmul_attention(device: torch.device, dtype: torch.dtype, compiled: bool = False) -> bool:
     """True where matmul attention beats SDPA for short query blocks: CPU in bf16/fp16, and CPU in any dtype inside
     compiled steps, where short blocks are traced and fused (eager fp32 SDPA is as fast as the matmuls;
-    results/HISTORY.md)."""
+    docs/results/HISTORY.md)."""
     return device.type == "cpu" and (compiled or dtype in (torch.bfloat16, torch.float16))
 
 

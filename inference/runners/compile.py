@@ -25,7 +25,7 @@ def own_code(method, name: str = ""):
 
 def compile_setting(compile: bool | str, device: torch.device) -> bool:
     """Whether to compile: True/False (or the CLI's "on"/"off") as given; "auto" compiles on CUDA only (on CPU a
-    step's compile time pays only over long runs; results/HISTORY.md)."""
+    step's compile time pays only over long runs; docs/results/HISTORY.md)."""
     compile = {"on": True, "off": False}.get(compile, compile)
     if compile == "auto":
         return device.type == "cuda"
@@ -37,7 +37,7 @@ def compile_setting(compile: bool | str, device: torch.device) -> bool:
 def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str = "", cpp_wrapper: bool = False,
                  unguarded: tuple[str, ...] = (), dynamic: bool = False):
     """torch.compile for a fixed-shape decoding step: CUDA graphs on CUDA; on CPU inductor with frozen (oneDNN
-    prepacked) weights, linears sharing an input concatenated (results/HISTORY.md has the measurements).
+    prepacked) weights, linears sharing an input concatenated (docs/results/HISTORY.md has the measurements).
     `small_gemm` (CPU, a step of a few rows whose linears do not run small_gemm.py's kernel): the matmuls are
     inductor's own C++ GEMM templates, which stream a few rows' weights faster than oneDNN.
     `cpp_wrapper` (CPU): the graph's calls are made from generated C++, which pays for steps made of many small
@@ -47,7 +47,7 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
     `unguarded`: attribute paths of `fn`'s self (e.g. "self.cache") whose guards are skipped: objects the caller
     never swaps while the step lives, or whose step it releases (release_step) when it does.
     The compiler settings the step needs (recompile limits, freezing, concatenated linears) are scoped_settings,
-    which a runner's decoding session holds (static.decoding_session): run the step inside one."""
+    which a runner's decoding session holds (StaticRunner.session): run the step inside one."""
 
     # the model is frozen: skip re-checking its parameters on every call; safe because every runner compiles its
     # own copy of the code (own_code), so a graph only ever sees one model

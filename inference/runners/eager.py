@@ -116,14 +116,10 @@ class EagerRunner:
     def commit(self, accepted: Accepted) -> None:
         """Keep the accepted tree positions (indices into the last verified tree, in order); drop the rest."""
         keep = accepted.host_paths[0]
-        m = len(keep)
-        total = self.cache.get_seq_length()
-        n = accepted.paths.shape[1]
-        past = total - n
+        m, n = len(keep), accepted.paths.shape[1]  # (n: the verified tree's size)
+        past = self.cache.get_seq_length() - n
         index = torch.tensor(keep, device=self.device) + past
-        for layer in self.cache.layers:
-            # layer.keys / layer.values: (B, kv_heads, S, head_dim); gather first (a copy), then write in place
+        for layer in self.cache.layers:  # (B, kv_heads, S, head_dim): gather first (a copy), then write in place
             layer.keys[:, :, past: past + m] = layer.keys.index_select(2, index)
             layer.values[:, :, past: past + m] = layer.values.index_select(2, index)
-            layer.keys = layer.keys[:, :, : past + m]
-            layer.values = layer.values[:, :, : past + m]
+        self.cache.crop(m - n)  # transformers: a negative count of tokens to remove (0: none)

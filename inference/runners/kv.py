@@ -111,7 +111,7 @@ def static_cache(model: nn.Module, batch: int, capacity: int) -> StaticCache:
     are views of ONE tensor, `cache.drafthead_kv` (2, layers, batch, kv_heads, capacity, head_dim), and every
     layer's write position a view of `cache.drafthead_lengths` (layers,): moving the accepted slots of all layers
     (StaticRunner.commit) and setting the write slot (set_write_slot) are one op each instead of one per layer, which
-    saves Python overhead every step (results/HISTORY.md)."""
+    saves Python overhead every step (docs/results/HISTORY.md)."""
     config = model.config.get_text_config(decoder=True)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

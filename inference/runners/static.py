@@ -14,15 +14,14 @@ of a single tensor: kv.static_cache):
   (length_i - start_i + depth) and a per-row 4D mask: the row's committed range plus its tree's ancestor pattern.
 - commit() copies each row's accepted nodes down to its own length (one gather + one scatter for every layer and
   row at once), so a row's committed tokens stay contiguous and the hole never outlives a step.
-- The buffers keep their batch size while a batch decodes: the rows in use are always the leading rows,
-  keep_rows() moves the rows still decoding forward (only the rows that move are copied), and verify() pads its
-  inputs to the buffers' size, telling the attention kernel and the small-row GEMM the rows in use (a row that
-  stops stops costing attention and GEMM work). admit() puts a waiting request's prefilled KV into a finished row
-  instead (continuous batching).
+- The buffers keep their batch size while a batch decodes: the rows in use are always the leading rows
+  (keep_rows() moves the rows still decoding forward), and verify() pads its inputs to the buffers' size, telling
+  the attention kernel and the small-row GEMM the rows in use, so a row that stops costs no more work. admit() puts
+  a waiting request's prefilled KV into a finished row instead (continuous batching).
 
-A compiled graph keeps the buffers it was traced with (and its own prepacked weights), so buffers of a new shape
-(rows, capacity) come with new steps, and the old buffers are freed with the old steps' graphs: memory stays that
-of one batch shape. The lengths are mirrored on the host, so a step needs no transfer to find where to write.
+A compiled graph keeps the buffers it was traced with, so buffers of a new shape (rows, capacity) come with new
+steps, the old ones freed with the old steps. The lengths are mirrored on the host: a step finds where to write
+without a transfer.
 """
 
 from __future__ import annotations
@@ -52,62 +51,11 @@ SMALL_GEMM_ROWS = 4
 PREFILL_CHUNK = 512
 
 
-def attach_target(runner, model: nn.Module, feature_layers: list[int], refusal: str, compile: bool = False,
-                  float32_kernel: bool = False) -> None:
-    """The part of a static-buffer runner's set-up every runner shares: refuse a model the buffers cannot serve
-    (NotImplementedError starting with `refusal`), then set runner.model, .feature_layers, .capture (hooks on those
-    decoder layers, or None), .dtype, .device, .attention (the kernel switched in per session, which depends on
-    whether the runner's steps are `compile`d; attention.py) and .small_rows (bf16 on a CPU with AVX512-BF16, and
-    with `float32_kernel` float32 on one with AVX2: the model's linears multiply a step's few rows with small_gemm's
-    kernel inside a session; eager or compiled)."""
-    reason = static_cache_supported(model)
-    if reason is not None:
-        raise NotImplementedError(f"{refusal} {reason}")
-    runner.model = model
-    runner.cache_argument = cache_argument(model)
-    runner.feature_layers = list(feature_layers)
-    runner.capture = HiddenStateCapture(model, runner.feature_layers).attach() if runner.feature_layers else None
-    runner.dtype = next(model.parameters()).dtype
-    runner.device = next(model.parameters()).device
-    runner.attention = decoding_attention(runner.device, runner.dtype, compile)
-    runner.small_rows = use_small_row_kernel(model, float32=float32_kernel) > 0
-    # the model as it was handed over once the runner is closed or dropped: no hooks, its own linear classes
-    runner.release = weakref.finalize(runner, release_target, model, runner.capture)
-
-
 def release_target(model: nn.Module, capture: HiddenStateCapture | None) -> None:
-    """Undo attach_target on `model`: remove the feature hooks, give the linears back (the last user's release)."""
+    """Give `model` back as it was handed to a runner: no feature hooks, its own linears (the last user's release)."""
     if capture is not None:
         capture.detach()
     release_kernels(model)
-
-
-def decoding_session(runner, max_rows: int) -> contextlib.AbstractContextManager:
-    """A runner's decoding session: the compiler settings of its compiled steps (and of its drafter's), the model
-    dispatching attention to the runner's kernel and (where the runner uses it) multiplying steps of up to
-    `max_rows` rows with the small-row GEMM kernel."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(scoped_settings(runner.device.type != "cuda"))
-    stack.enter_context(attention_implementation(runner.model, runner.attention))
-    if runner.small_rows and max_rows:
-        stack.enter_context(small_row_kernel(max_rows))
-    return stack
-
-
-def forward_with_features(runner, forward) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logits, the head's features or None) of `forward()`, a forward of the runner's model with its feature hooks
-    (attach_target) recording."""
-    if runner.capture is not None:
-        runner.capture.recording = True
-    out = forward()
-    features = None
-    if runner.capture is not None:
-        features = runner.capture.stacked(runner.feature_layers)
-        runner.capture.recording = False
-        # left empty, so a compiled step finds the same (empty) dict at every call: one graph, not a second one
-        # compiled for the dict's state after the first call
-        runner.capture.outputs.clear()
-    return out.logits, features
 
 
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
@@ -118,26 +66,27 @@ def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     raise ValueError(f"a tree of {n} tokens exceeds the largest verify bucket {buckets[-1]}")
 
 
-def forward_on_cache(model: nn.Module, cache: StaticCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                     allowed: torch.Tensor, write_at: int, kv_length: int | None = None, keep: int = 0):
-    """One forward of `model` (B, n tokens at explicit positions) over a StaticCache: the new entries are written at
-    slots write_at..write_at+n-1 for every row, and row b's query i attends the slots where allowed[b, i] (bool
-    (B, n, slots)). `kv_length`: the used slots, for this project's prefix-aware attention kernels. `keep`: logits
-    of the last `keep` positions only (0: all). Returns the model's output."""
-    set_write_slot(cache, write_at)
-    extra = kv_length_kwargs(model, kv_length)
-    return model(input_ids=input_ids, position_ids=position_ids,
-                 attention_mask=to_additive(allowed.unsqueeze(1), cache.layers[0].keys.dtype),
-                 **{cache_argument(model): cache}, use_cache=True, logits_to_keep=keep, **extra)
-
-
 class StaticRunner:
     """The target runner over preallocated KV buffers (see the module docstring). `feature_layers`: decoder-layer
     outputs the head reads ([] for none)."""
 
     def __init__(self, model: nn.Module, feature_layers: list[int], compile: bool = False,
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS, prefill_chunk: int = PREFILL_CHUNK):
-        attach_target(self, model, feature_layers, "static KV buffers do not support", compile, float32_kernel=True)
+        reason = static_cache_supported(model)
+        if reason is not None:
+            raise NotImplementedError(f"static KV buffers do not support {reason}")
+        self.model = model
+        self.cache_argument = cache_argument(model)
+        self.feature_layers = list(feature_layers)
+        self.capture = HiddenStateCapture(model, self.feature_layers).attach() if self.feature_layers else None
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        # the attention kernel switched in per session (attention.py), and whether the model's linears multiply a
+        # step's few rows with small_gemm's kernel (bf16 with AVX512-BF16, float32 with AVX2)
+        self.attention = decoding_attention(self.device, self.dtype, compile)
+        self.small_rows = use_small_row_kernel(model, float32=True) > 0
+        # the model as it was handed over once the runner is closed or dropped
+        self.release = weakref.finalize(self, release_target, model, self.capture)
         self.buckets = tuple(sorted(buckets))
         self.prefill_chunk = prefill_chunk
         self.compiled = compile
@@ -155,9 +104,7 @@ class StaticRunner:
         """Buffers for `batch` rows of up to `length` slots each (prompt with its padding + new tokens + the
         largest tree; room for the largest bucket is added); reused when they already fit."""
         capacity = buffer_capacity(length + self.buckets[-1] + 1)  # + the scratch slot
-        if self.cache is None or self.rows != batch or self.capacity < capacity:
-            # a compiled graph keeps the buffers it was traced with (and its own prepacked weights): new buffers get
-            # new steps, and the old buffers go with the old steps' graphs
+        if self.cache is None or self.rows != batch or self.capacity < capacity:  # new buffers, new steps
             for step in self._steps.values():
                 release_step(step)
             self.cache, self._steps = None, {}  # the old buffers can go before the new ones are allocated
@@ -216,19 +163,13 @@ class StaticRunner:
 
     def export_rows(self) -> list[dict]:
         """Each row's committed entries [start_i, length_i) of every layer (to rebuild other batches from the
-        same prefilled prompts with load_rows)."""
+        same prefilled prompts with admit)."""
         rows = []
         for i, start in enumerate(self.start.tolist()):
             part = slice(start, self.lengths[i])
             rows.append({"kv": [(k[i: i + 1, :, part].clone(), v[i: i + 1, :, part].clone())
                                 for k, v in self.layers()]})
         return rows
-
-    @torch.inference_mode()
-    def load_rows(self, rows: list[dict]) -> None:
-        """Fill a reset() batch with rows from export_rows(), row i's entries from slot 0."""
-        for i, row in enumerate(rows):
-            self.admit(i, row["kv"])
 
     @torch.inference_mode()
     def admit(self, row: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -245,14 +186,21 @@ class StaticRunner:
         self.lengths[row] = t
 
     def session(self) -> contextlib.AbstractContextManager:
-        """The model dispatches attention to this runner's kernel inside it, and multiplies a step's rows x tree
-        tokens with the small-row GEMM (decoding_session). Float32 at one row compiled is the exception: inductor's
-        frozen GEMMs beat the kernel there (results/small_gemm_avx2_unrolled_zen3.json)."""
-        return decoding_session(self, self.kernel_rows)
+        """The runner's decoding session: the compiler settings of its compiled steps (and of its drafter's), the
+        model dispatching attention to the runner's kernel and multiplying a step's rows x tree tokens with the
+        small-row GEMM (kernel_rows)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(scoped_settings(self.device.type != "cuda"))
+        stack.enter_context(attention_implementation(self.model, self.attention))
+        if self.kernel_rows:
+            stack.enter_context(small_row_kernel(self.kernel_rows))
+        return stack
 
     @property
     def kernel_rows(self) -> int:
-        """Up to how many rows x tokens a step's linears multiply with the small-row kernel (0: never)."""
+        """Up to how many rows x tokens a step's linears multiply with the small-row kernel (0: never). Float32 at
+        one row compiled is the exception: inductor's frozen GEMMs beat the kernel there
+        (docs/results/small_gemm_avx2_unrolled_zen3.json)."""
         one_row_fp32 = self.rows == 1 and self.compiled and self.dtype == torch.float32
         return 0 if one_row_fp32 or not self.small_rows else BATCH_KERNEL_ROWS
 
@@ -264,12 +212,27 @@ class StaticRunner:
         self.release()
 
     # --------------------------------------------------------------------------------------------- forward
+    def _with_features(self, forward) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits, the head's features or None) of `forward()`, a forward of the model with the feature hooks
+        recording."""
+        if self.capture is not None:
+            self.capture.recording = True
+        out = forward()
+        features = None
+        if self.capture is not None:
+            features = self.capture.stacked(self.feature_layers)
+            self.capture.recording = False
+            # left empty, so a compiled step finds the same (empty) dict at every call: one graph, not a second one
+            # compiled for the dict's state after the first call
+            self.capture.outputs.clear()
+        return out.logits, features
+
     def _step_forward(self, input_ids, position_ids, mask, kv_length, rows):
         """One verify step over the whole buffers (B rows of the buffers, n tokens each; `mask` additive (B, 1, n,
         capacity)); attention reads the first `kv_length` slots of the leading `rows` rows (0-dim tensors; rows
         None for a one-row buffer). Returns (logits (B, n, V), features (B, n, F) or None, argmax (B, n)): the
         compiled graph when compile is on."""
-        logits, features = forward_with_features(self, lambda: self.model(
+        logits, features = self._with_features(lambda: self.model(
             input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
             **{self.cache_argument: self.cache}, use_cache=True, **kv_length_kwargs(self.model, kv_length, rows)))
         # the greedy choice inside the graph: a fused argmax beats eager low-precision argmax over the vocabulary
@@ -289,8 +252,14 @@ class StaticRunner:
         return self._steps[size]
 
     def _forward(self, input_ids, position_ids, allowed, write_at: int, kv_length: int | None, keep: int = 0):
-        return forward_with_features(self, lambda: forward_on_cache(self.model, self.cache, input_ids, position_ids,
-                                                                    allowed, write_at, kv_length, keep))
+        """One eager forward (B, n tokens at explicit positions) writing at slots write_at..write_at+n-1 of every
+        row, row b's query i attending the slots where allowed[b, i] (bool (B, n, slots)); `kv_length`: the used
+        slots; `keep`: logits of the last `keep` positions only (0: all)."""
+        set_write_slot(self.cache, write_at)
+        mask = to_additive(allowed.unsqueeze(1), self.dtype)
+        return self._with_features(lambda: self.model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=mask, **{self.cache_argument: self.cache},
+            use_cache=True, logits_to_keep=keep, **kv_length_kwargs(self.model, kv_length)))
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor,

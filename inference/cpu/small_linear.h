@@ -1,0 +1,58 @@
+// What the two small-linear kernel libraries (small_gemm.cpp in bf16, small_gemm_avx2.cpp in float32) share
+// outside their arithmetic: the rows that are computed, the bias, the output and the ops' schemas.
+//
+// A batch whose later rows have stopped decoding still passes all of its rows (a compiled step keeps its shapes),
+// with `live` (0-dim int64, optional) saying how many leading entries of x's first dimension are still decoding.
+// Their rows of the flattened (M, K) input come first.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+// rows of the flattened input (m_total of them) that belong to the first `live` entries of x's dimension 0
+inline int64_t live_rows(const torch::Tensor& x, int64_t m_total, const c10::optional<torch::Tensor>& live) {
+  if (!live.has_value() || !live->defined() || x.dim() < 2 || x.size(0) == 0) return m_total;
+  TORCH_CHECK(live->scalar_type() == at::kLong && live->numel() == 1 && live->device().is_cpu(),
+              "live: a one-element int64 CPU tensor expected");
+  const int64_t entries = std::clamp<int64_t>(*live->data_ptr<int64_t>(), 0, x.size(0));  // (no dispatch: a read)
+  return entries * (m_total / x.size(0));
+}
+
+// the bias (N,) as contiguous float, or an undefined tensor without one
+inline torch::Tensor float_bias(const c10::optional<torch::Tensor>& bias, int64_t n, const char* op) {
+  if (!bias.has_value() || !bias->defined()) return torch::Tensor();
+  TORCH_CHECK(bias->numel() == n, op, ": bias of ", n, " elements expected, got ", bias->numel());
+  return bias->to(at::kFloat).contiguous();
+}
+
+inline float* data_or_null(const torch::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+// the (m_all, n) output in x's dtype, its rows past the first m_live zeros (the kernel writes the others)
+inline torch::Tensor output_rows(const torch::Tensor& x, int64_t m_all, int64_t m_live, int64_t n) {
+  torch::Tensor out = torch::empty({m_all, n}, x.options());
+  out.narrow(0, m_live, m_all - m_live).zero_();
+  return out;
+}
+
+// x's shape with its last dimension n
+inline std::vector<int64_t> out_shape(const torch::Tensor& x, int64_t n) {
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  return shape;
+}
+
+// The ops' schemas, the same for both kernel libraries; each defines pack_weight, small_linear and small_linear_int8.
+#define DRAFTHEAD_SMALL_LINEAR_OPS(library)                                                                         \
+  TORCH_LIBRARY(library, m) {                                                                                       \
+    m.def("pack_weight(Tensor weight) -> Tensor");                                                                  \
+    m.def("small_linear(Tensor x, Tensor packed, Tensor? bias, Tensor? live=None) -> Tensor");                      \
+    m.def("small_linear_int8(Tensor x, Tensor packed, Tensor columns, Tensor? bias, Tensor? live=None) -> Tensor"); \
+  }                                                                                                                 \
+  TORCH_LIBRARY_IMPL(library, CPU, m) {                                                                             \
+    m.impl("pack_weight", &pack_weight);                                                                            \
+    m.impl("small_linear", &small_linear);                                                                          \
+    m.impl("small_linear_int8", &small_linear_int8);                                                                \
+  }
