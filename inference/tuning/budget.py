@@ -10,7 +10,7 @@
 4. Trial: the best predicted tree of each of the few best verify sizes, and plain decoding, decode the calibration
    prompts on the runner itself, taking turns; the measured ms per step (prefill excluded) times the replayed tau
    decides, and plain decoding wins unless a tree is measured faster. Predictions alone were not enough: a
-   verification costs more inside decoding than timed alone (results/HISTORY.md).
+   verification costs more inside decoding than timed alone (docs/results/HISTORY.md).
 5. Draft vocabulary (optional, `--draft-vocab auto`): the chosen tree decodes the calibration prompts with the
    head pruned to a few vocabulary sizes (and unpruned), taking turns; the fastest measured keeps its place.
 6. Lookup branch (optional): the chosen tree decodes the calibration prompts again, alone and with the
@@ -69,7 +69,7 @@ FULL = TuningBudget()
 QUICK = TuningBudget(calibration=TreeOptions(depth=6, top_k=8, total_tokens=32), depths=(2, 3, 4, 5, 6),
                      top_ks=(1, 2, 4, 8), max_verify=32, verify_reps=5, draft_reps=3, trial_trees=2, rounds=1)
 # a tree with a larger verify bucket must beat the best smaller one by this factor in the trial: three short
-# calibration prompts rated larger trees a few per cent ahead that then decoded slower (results/HISTORY.md)
+# calibration prompts rated larger trees a few per cent ahead that then decoded slower (docs/results/HISTORY.md)
 LARGER_TREE_MARGIN = 1.10
 
 
