@@ -62,10 +62,12 @@ def _cflags(flags: list[str]) -> list[str]:
 
 def build_folder(name: str, paths: list[Path], flags: list[str]) -> Path:
     """The build folder of extension `name` from these sources, the headers beside them and these flags: one per
-    digest of all of them (and of torch's version), in torch's extension folder (TORCH_EXTENSIONS_DIR)."""
+    digest of all of them (and of torch's version and the sources' folder: torch's build file names the sources
+    by path, so two checkouts sharing a folder would rebuild each other's), in torch's extension folder
+    (TORCH_EXTENSIONS_DIR)."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    digest = hashlib.sha256(repr((_cflags(flags), torch.__version__)).encode())
+    digest = hashlib.sha256(repr((_cflags(flags), torch.__version__, str(paths[0].parent.resolve()))).encode())
     for path in sorted(paths) + sorted(paths[0].parent.glob("*.h")):
         digest.update(path.name.encode() + path.read_bytes())
     return Path(_get_build_directory(f"{name}-{digest.hexdigest()[:12]}", verbose=False))
