@@ -46,8 +46,9 @@ def resolve_device(name: str | torch.device | None, local_rank: int = 0) -> torc
 
 
 def resolve_dtype(name: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
-    """'auto' (or None) -> auto_dtype(device); otherwise a dtype name such as 'bfloat16' or 'float32'."""
-    if name is None or name == "auto":
+    """'fast' (or None, or 'auto', the benchmark's old name for it) -> auto_dtype(device); otherwise a dtype name
+    such as 'bfloat16' or 'float32'."""
+    if name is None or name in ("fast", "auto"):
         return auto_dtype(device)
     return parse_dtype(name)
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from drafthead.hardware import cpu_flags, resolve_dtype
+from drafthead.hardware import cpu_flags, resolve_device, resolve_dtype
 from drafthead.paths import cache_dir
 from drafthead.utils import atomic_write_bytes, atomic_write_json
 
@@ -307,7 +307,7 @@ def run_bench(args: argparse.Namespace, on_prompt=None) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     model, tokenizer, inputs = load_target_and_prompts(args, device, dtype)
     methods, setup, head = prepare_methods(args, model, tokenizer, inputs)
@@ -528,8 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", default="on", choices=["auto", "on", "off"],
                    help="torch.compile the engine's steps (on: also on CPU, where it pays over a benchmark's length; "
                         "auto: CUDA only); compile time is reported apart from the prompts")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto", help="auto: bf16 where the hardware has it, else float32")
+    p.add_argument("--device", default="auto", help="auto: CUDA when present, else the CPU")
+    p.add_argument("--dtype", default="fast", help="fast: bf16 where the hardware has it, else float32")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("bench.json"))

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from drafthead import load_head
-from drafthead.hardware import cpu_flags, resolve_dtype
+from drafthead.hardware import cpu_flags, resolve_device, resolve_dtype
 from drafthead.utils import atomic_write_bytes, place_module
 
 from ..batch_queue import prefilled_requests
@@ -209,7 +209,7 @@ def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
     """Every (context, batch) cell of the grid (or the one cell asked for); see the module docstring."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     model, tokenizer = load_causal_lm(args.target, dtype, what="target")
     model = place_module(model, device, dtype).eval()
