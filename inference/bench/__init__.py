@@ -142,12 +142,14 @@ def summarise(method: Method, plain_tps: float | None, depth: int | None) -> dic
             summary["accepted_per_step_by_drafter"] = {k: accepted[k] / steps for k in drafted}
         draft_s = sum(s["draft_time_s"] for s in stats)
         verify_s = sum(s["verify_time_s"] for s in stats)
+        prefill_s = sum(s["prefill_time_s"] for s in stats)
         total_s = sum(s["total_time_s"] for s in stats)
         summary["ms_per_step"] = {
             "draft": 1000 * draft_s / steps,
             "verify": 1000 * verify_s / steps,
-            "overhead": 1000 * (total_s - draft_s - verify_s) / steps,
+            "overhead": 1000 * (total_s - prefill_s - draft_s - verify_s) / steps,
         }
+        summary["prefill_ms_per_prompt"] = 1000 * prefill_s / max(len(stats), 1)
     return summary
 
 
