@@ -19,7 +19,8 @@ README = REPO / "README.md"
 DOCS = sorted((REPO / "docs").glob("*.md"))
 MAX_LINES = 400
 PACKAGES = ("drafthead", "train", "inference")  # the repository's own top-level packages
-EXTERNAL_MODULES = {"pytest", "venv", "pip", "sglang.launch_server", "vllm"}  # other tools' modules the README names
+EXTERNAL_MODULES = {"pytest", "venv", "pip", "sglang.launch_server", "vllm",
+                    "vllm.entrypoints.openai.api_server"}  # other tools' modules the README names
 
 FENCE = re.compile(r"^```[^\n]*\n.*?^```[ \t]*$", re.S | re.M)
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
