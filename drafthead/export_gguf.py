@@ -32,7 +32,7 @@ OUTTYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_
             "bf16": gguf.LlamaFileType.MOSTLY_BF16}
 QTYPES = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
           "bf16": gguf.GGMLQuantizationType.BF16}
-OUTTYPE_OF_DTYPE = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+OUTTYPE_OF_DTYPE = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}  # a torch dtype's name -> outtype
 
 # Our EAGLE-3 tensor names -> llama.cpp's (its tensor map for the eagle3 architecture).
 TENSOR_NAMES = {
@@ -107,7 +107,7 @@ def llama3_rope_factors(theta: float, dim: int, scaling: dict[str, Any]) -> torc
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
     old_len = scaling.get("original_max_position_embeddings", 8192)
     factors = []
-    for freq in 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)):
+    for freq in 1.0 / (theta ** (torch.arange(0, dim, 2).float() / dim)):
         wavelen = 2 * math.pi / freq
         if wavelen < old_len / high:
             factors.append(1)
@@ -116,7 +116,7 @@ def llama3_rope_factors(theta: float, dim: int, scaling: dict[str, Any]) -> torc
         else:
             smooth = (old_len / wavelen - low) / (high - low)
             factors.append(1 / ((1 - smooth) / factor + smooth))
-    return torch.tensor(factors, dtype=torch.float32)
+    return torch.tensor(factors).float()
 
 
 def add_tensor(writer: gguf.GGUFWriter, name: str, tensor: torch.Tensor, outtype: str) -> None:
@@ -214,7 +214,7 @@ def write_gguf(head: DraftHead, target_dir: str | Path, out: str | Path, outtype
     cfg, target_dir, out = head.config, Path(target_dir), Path(out)
     if cfg.kind != "eagle3":
         raise ValueError(f"llama.cpp serves EAGLE-3 heads only; this head is {cfg.kind}")
-    outtype = outtype or OUTTYPE_OF_DTYPE.get(next(head.fc.parameters()).dtype, "f32")
+    outtype = outtype or OUTTYPE_OF_DTYPE.get(str(next(head.fc.parameters()).dtype).removeprefix("torch."), "f32")
     if outtype not in OUTTYPES:
         raise ValueError(f"--outtype must be one of {sorted(OUTTYPES)}, got {outtype!r}")
     if not (target_dir / CONFIG_NAME).exists():

@@ -160,7 +160,7 @@ class SpeculativeGenerator:
             self._owned.append(self._runner)
             self._compile_notice()
         self.tuned = tuned_tree(self.target, head, self.tokenizer, self._runner, self.compile,
-                                lookup_tokens if hybrid is None else 0)
+                                lookup_tokens if hybrid is None else 0, type(self))
         if hybrid is None and self.tuned.lookup_tokens:
             hybrid, lookup_tokens = True, self.tuned.lookup_tokens
         return self.tuned.tree or "none", bool(hybrid), lookup_tokens

@@ -25,7 +25,7 @@ from test_prepare import recipe as prepare_recipe
 from test_prepare import sharegpt, write_jsonl
 from test_trainer import env, make_run, read_log, run_train
 from tiny import tiny_head, tiny_model
-from train.recipe import recipe_main
+from train.recipe_help import recipe_main
 
 PY = sys.executable
 

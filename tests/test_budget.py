@@ -7,7 +7,7 @@ import torch
 from test_inference_greedy import near_bigram_target, oracle_head, prompts
 from tiny import tiny_model
 
-from inference import TreeOptions
+from inference import SpeculativeGenerator, TreeOptions
 from inference.tuning import budget
 from inference.runners.static import StaticRunner, bucket_for
 
@@ -61,7 +61,7 @@ def test_decoding_trial_times_real_steps():
     capacity = runner.capacity
     trees = [None, TreeOptions(depth=2, top_k=2, total_tokens=3), TreeOptions(depth=3, top_k=2, total_tokens=7)]
     ms = budget.measure_decoding_ms(target, head, runner, trees, prompts(2, 320, seed=5), max_new_tokens=12,
-                                    rounds=1)
+                                    rounds=1, generator=SpeculativeGenerator)
     assert set(ms) == set(trees) and all(v > 0 for v in ms.values())
     assert runner.capacity == capacity
 
@@ -71,7 +71,7 @@ def test_auto_tree_picks_a_tree_only_when_it_measures_more_than_plain():
     head = oracle_head(target).attach_target(target)
     runner = StaticRunner(target, head.config.aux_layer_ids, buckets=(1, 4, 8, 16))
     options, report = budget.auto_tree(target, head, prompts(2, 320, seed=4), max_new_tokens=24, verbose=False,
-                                       runner=runner)
+                                       runner=runner, generator=SpeculativeGenerator)
     plain = report["predicted_plain"]["tokens_per_s"]
     trial = report["trial"]  # measured by decoding: one tree per verify bucket, best first
     assert 1 <= len(trial) <= budget.TRIAL_TREES
@@ -95,7 +95,7 @@ def test_auto_tree_without_tree_buckets_chooses_plain_decoding():
     head = oracle_head(target).attach_target(target)
     runner = StaticRunner(target, head.config.aux_layer_ids, buckets=(1,))
     options, report = budget.auto_tree(target, head, prompts(1, 320, seed=6), max_new_tokens=8, verbose=False,
-                                       runner=runner)
+                                       runner=runner, generator=SpeculativeGenerator)
     assert options is None and report["chosen"] == "none" and report["trial"] == []
 
 
@@ -118,7 +118,7 @@ def test_lookup_branch_is_kept_only_when_measured_at_least_as_fast():
     runner = StaticRunner(target, head.config.aux_layer_ids, buckets=(1, 4, 8, 16))
     calib = [torch.cat([p, p, p], dim=1) for p in prompts(2, 320, seed=4)]  # repeats: the lookup finds matches
     options, report = budget.auto_tree(target, head, calib, max_new_tokens=24, verbose=False, runner=runner,
-                                       lookup_tokens=20)  # more than the largest bucket (16) can hold
+                                       lookup_tokens=20, generator=SpeculativeGenerator)  # more than the largest bucket (16) can hold
     assert options is not None
     branch = report["lookup_branch"]
     rates = branch["tokens_per_s"]
@@ -129,7 +129,8 @@ def test_lookup_branch_is_kept_only_when_measured_at_least_as_fast():
     else:
         assert rates["tree_alone"] > 0 and rates["with_lookup"] > 0
         assert branch["chosen"] == (rates["with_lookup"] >= rates["tree_alone"])
-    _, without = budget.auto_tree(target, head, calib, max_new_tokens=8, verbose=False, runner=runner)
+    _, without = budget.auto_tree(target, head, calib, max_new_tokens=8, verbose=False, runner=runner,
+                                  generator=SpeculativeGenerator)
     assert without["lookup_branch"] is None
 
 
@@ -142,6 +143,7 @@ def test_lookup_branch_rates_count_real_tokens():
     runner.reset(1, 200)  # sized for longer sequences than the trial's: it reuses these buffers
     capacity = runner.capacity
     rates = budget.measure_lookup_branch(target, head, runner, TreeOptions(depth=2, top_k=2, total_tokens=3), 3,
-                                         prompts(2, 320, seed=5), max_new_tokens=12, rounds=1)
+                                         prompts(2, 320, seed=5), max_new_tokens=12, rounds=1,
+                                         generator=SpeculativeGenerator)
     assert set(rates) == {False, True} and all(v > 0 for v in rates.values())
     assert runner.capacity == capacity

@@ -117,7 +117,7 @@ def test_draft_vocab_trial_measures_every_size_and_keeps_the_fastest():
     tree = TreeOptions(depth=2, top_k=2, total_tokens=3)
     calib = prompts(2, target.config.vocab_size, seed=6)
     chosen, rates = budget.choose_draft_vocab(target, heads, runner, tree, calib, max_new_tokens=10, rounds=1,
-                                              verbose=False)
+                                              verbose=False, generator=SpeculativeGenerator)
     assert set(rates) == {20, 60, 200}
     assert all(r["tokens_per_s"] > 0 and r["tau"] >= 1 for r in rates.values())
     assert chosen == max(rates, key=lambda n: rates[n]["tokens_per_s"])

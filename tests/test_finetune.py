@@ -84,4 +84,4 @@ def test_every_shipped_recipe_loads():
         recipe = load_recipe(path)
         assert recipe.train.max_steps or recipe.train.epochs, path
     gpu = load_recipe(REPO / "configs" / "smollm2-135m-eagle3-gpu.yaml")
-    assert gpu.device == "cuda" and gpu.train.online and gpu.train.batch_tokens == 16384
+    assert gpu.device == "auto" and gpu.train.online and gpu.train.batch_tokens == 16384

@@ -60,7 +60,8 @@ def test_smollm2_greedy_lossless(smollm2, smollm2_path, head_dir, greedy, runner
 def test_cli_streams(smollm2_path, head_dir):
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "inference.generate", "--target", str(smollm2_path), "--draft", str(head_dir),
-           "--prompt", "Say hello.", "--chat", "--max-new-tokens", "12", "--dtype", "float32", "--threads", "1"]
+           "--prompt", "Say hello.", "--chat", "--max-new-tokens", "12", "--dtype", "float32", "--threads", "1",
+           "--tree", "cpu"]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120,
                          cwd=Path(__file__).resolve().parent.parent)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -68,7 +68,7 @@ def test_either_or_keys():
 
 # ------------------------------------------------------------------------------ --help, --print-config, device
 def _run_main(argv: list[str], capsys) -> tuple[int, str, list]:
-    from train.recipe import recipe_main
+    from train.recipe_help import recipe_main
 
     ran = []
     with pytest.raises(SystemExit) as exit_:

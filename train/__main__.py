@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from train.recipe import recipe_main
+from train.recipe_help import recipe_main
 
 
 def train(recipe):

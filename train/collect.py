@@ -34,7 +34,8 @@ from drafthead.hardware import resolve_device
 from drafthead.utils import atomic_write_json, dtype_name
 from train.features import MANIFEST, FeatureWriter, Sequence, shard_name
 from train.fingerprint import split_fingerprint, weights_fingerprint
-from train.recipe import Recipe, parse_recipe, recipe_main
+from train.recipe import Recipe, parse_recipe
+from train.recipe_help import recipe_main
 from train.target import load_target, target_config_hash, target_name
 
 FEATURE_DTYPE = torch.bfloat16

@@ -23,7 +23,8 @@ from typing import Any
 from drafthead.errors import DataError
 from train.conversations import BadRecord, read_conversations
 from train.loss_mask import TemplateError, tokenize_with_mask
-from train.recipe import Recipe, parse_recipe, recipe_main
+from train.recipe import Recipe, parse_recipe
+from train.recipe_help import recipe_main
 from train.target import load_tokenizer
 
 MIN_VALIDATION = 8  # fewer validation conversations than this get a warning: their eval_* figures are noise

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from drafthead.errors import PathNotFound, RecipeError, run_main
+from drafthead.errors import PathNotFound, RecipeError
 from drafthead.paths import cache_dir
 from drafthead.utils import DTYPES
 
@@ -363,29 +363,3 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     for key, value in parse_overrides(overrides or []):
         set_dotted(recipe, key, value)
     return parse_recipe(recipe)
-
-
-def recipe_main(job, doc: str, argv: list[str] | None = None) -> None:
-    """Command-line entry of every recipe job: `python -m train.<job> RECIPE [key=value ...] [--print-config]
-    [--debug]`. `--help` lists every recipe key with its type and default (train/recipe_help.py); `--print-config`
-    prints the resolved recipe (overrides applied, `${...}` filled in) and exits. A user error (bad recipe, path or
-    data) is printed as one line (drafthead.errors.run_main)."""
-
-    def main(args: list[str]) -> int:
-        if not args or "-h" in args or "--help" in args:
-            from train.recipe_help import command_help
-
-            print(command_help(doc))
-            return 0 if args else 2
-        show = "--print-config" in args
-        args = [a for a in args if a != "--print-config"]
-        if not args:
-            raise RecipeError("give a recipe file: python -m train.<job> RECIPE [key=value ...]")
-        recipe = load_recipe(args[0], args[1:])
-        if show:
-            print(yaml.safe_dump(dataclasses.asdict(recipe), sort_keys=False, width=120), end="")
-            return 0
-        job(recipe)
-        return 0
-
-    raise SystemExit(run_main(main, argv))

@@ -1,5 +1,6 @@
-"""The `--help` of every recipe command: its own description, then every recipe key with its type, allowed values,
-default and comment, read from the typed sections of train/recipe.py (so the list cannot drift from the code)."""
+"""The command line of every recipe job (recipe_main) and its `--help`: the command's own description, then
+every recipe key with its type, allowed values, default and comment, read from the typed sections of
+train/recipe.py (so the list cannot drift from the code)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import re
 import typing
 from typing import Any
 
-from train.recipe import Recipe, allowed_values
+import yaml
+
+from drafthead.errors import RecipeError, run_main
+from train.recipe import Recipe, allowed_values, load_recipe
 
 USAGE = ("usage: python -m {module} RECIPE [key=value ...] [--print-config] [--debug]\n"
          "  RECIPE          a YAML recipe (configs/your-model-eagle3.yaml is a commented template)\n"
@@ -72,3 +76,27 @@ def command_help(doc: str, module: str | None = None) -> str:
         if comment:
             lines.append(f"      {comment}")
     return "\n".join(lines)
+
+
+def recipe_main(job, doc: str, argv: list[str] | None = None) -> None:
+    """Command-line entry of every recipe job: `python -m train.<job> RECIPE [key=value ...] [--print-config]
+    [--debug]`. `--help` lists every recipe key with its type and default (command_help); `--print-config`
+    prints the resolved recipe (overrides applied, `${...}` filled in) and exits. A user error (bad recipe, path or
+    data) is printed as one line (drafthead.errors.run_main)."""
+
+    def main(args: list[str]) -> int:
+        if not args or "-h" in args or "--help" in args:
+            print(command_help(doc))
+            return 0 if args else 2
+        show = "--print-config" in args
+        args = [a for a in args if a != "--print-config"]
+        if not args:
+            raise RecipeError("give a recipe file: python -m train.<job> RECIPE [key=value ...]")
+        recipe = load_recipe(args[0], args[1:])
+        if show:
+            print(yaml.safe_dump(dataclasses.asdict(recipe), sort_keys=False, width=120), end="")
+            return 0
+        job(recipe)
+        return 0
+
+    raise SystemExit(run_main(main, argv))

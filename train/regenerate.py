@@ -27,7 +27,8 @@ from tqdm import tqdm
 
 from drafthead.utils import atomic_write_text, dtype_name
 from train.conversations import read_conversations
-from train.recipe import Recipe, RegenerateSection, parse_recipe, recipe_main
+from train.recipe import Recipe, RegenerateSection, parse_recipe
+from train.recipe_help import recipe_main
 from train.target import load_target, load_tokenizer
 
 

@@ -167,12 +167,14 @@ def choose_tree(args, model, head, tokenizer, inputs, runner,
         options = tree_options(args.tree)
         info = {"chosen": dataclasses.asdict(options)}
         if vocab_heads:
-            size, rates = choose_draft_vocab(model, vocab_heads, runner, options, calib, args.calibration_tokens)
+            size, rates = choose_draft_vocab(model, vocab_heads, runner, options, calib, args.calibration_tokens,
+                                             generator=SpeculativeGenerator)
             head = vocab_heads[size]
             info["draft_vocab"] = {"chosen": size, "trial": {str(k): v for k, v in rates.items()}}
         return options, info, head
     options, report = auto_tree(model, head, calib, max_new_tokens=args.calibration_tokens, runner=runner,
-                                lookup_tokens=args.hybrid_tokens if args.auto_lookup else 0, vocab_heads=vocab_heads)
+                                lookup_tokens=args.hybrid_tokens if args.auto_lookup else 0, vocab_heads=vocab_heads,
+                                generator=SpeculativeGenerator)
     if report["draft_vocab"]:
         head = vocab_heads[report["draft_vocab"]["chosen"]]
     lookup = bool(report["lookup_branch"] and report["lookup_branch"]["chosen"])
@@ -287,7 +289,7 @@ def load_drafts(args, model, tokenizer) -> tuple[Any, Any, Any, dict | None]:
     if wanted & {"speculative", "compare", "hybrid"}:
         if args.draft is None:
             raise SystemExit("--methods speculative/compare/hybrid need a head: pass --draft HEAD_FOLDER")
-        head = full_head = SpeculativeGenerator.from_pretrained(model, args.draft, tokenizer=tokenizer).head
+        head = full_head = SpeculativeGenerator.from_pretrained(model, args.draft, tokenizer=tokenizer, tree="cpu").head
         if args.draft_vocab:
             counts = assistant_token_counts(tokenizer, args.vocab_corpus or default_corpus(), head.config.vocab_size)
             if args.draft_vocab == "auto":

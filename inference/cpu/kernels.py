@@ -80,11 +80,11 @@ def _build(name: str, paths: list[Path], flags: list[str], what: str, timeout: f
 
     cflags = _cflags(flags)
     folder = build_folder(name, paths, flags)
-    if not (folder / f"{name}.so").exists():
-        print(f"[drafthead] building the {what} C++ kernels for this CPU (once; a minute or two)", file=sys.stderr,
-              flush=True)
     try:
         with build_lock(folder, build_timeout() if timeout is None else timeout):
+            if not (folder / f"{name}.so").exists():  # this process builds them (another's build is waited for)
+                print(f"[drafthead] building the {what} C++ kernels for this CPU (once; a minute or two)",
+                      file=sys.stderr, flush=True)
             # torch's own lock file, left behind only by a build that was killed: under our lock nobody else builds
             (folder / "lock").unlink(missing_ok=True)
             load(name=name, sources=[str(p) for p in paths], extra_cflags=cflags, extra_ldflags=["-fopenmp"],

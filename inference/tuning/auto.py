@@ -137,10 +137,11 @@ def estimate_s(model: nn.Module, inputs: list[torch.Tensor]) -> float:
 
 
 def tuned_tree(model: nn.Module, head: DraftHead, tokenizer: Any, runner: Any, compiled: bool,
-               lookup_tokens: int) -> TunedTree:
+               lookup_tokens: int, generator: Any) -> TunedTree:
     """The tree tuned for this target, head, machine and dtype on `runner`: read from the cache, else tuned
     (QUICK budget on CPU, a one-line notice with an estimate first) and cached. lookup_tokens > 0: the tuning also
-    decides whether the prompt-lookup branch of that many tokens pays."""
+    decides whether the prompt-lookup branch of that many tokens pays. `generator`: the SpeculativeGenerator class
+    the tuning decodes with."""
     device = next(model.parameters()).device
     budget = QUICK if device.type != "cuda" else dataclasses.replace(FULL, trial_trees=2, rounds=1)
     key = cache_key(model, head, runner, compiled, lookup_tokens, budget)
@@ -153,7 +154,7 @@ def tuned_tree(model: nn.Module, head: DraftHead, tokenizer: Any, runner: Any, c
               f"{max(1, round(estimate / 60))} min; cached in {path.parent})", file=sys.stderr, flush=True)
         start = time.perf_counter()
         options, report = auto_tree(model, head, inputs, max_new_tokens=CALIBRATION_TOKENS, runner=runner,
-                                    lookup_tokens=lookup_tokens, budget=budget, verbose=True)
+                                    lookup_tokens=lookup_tokens, budget=budget, verbose=False, generator=generator)
         branch = report["lookup_branch"]
         chosen = report["predicted"]["tokens_per_s"] if options is not None else 0.0  # the chosen tree's trial rate
         cached = TunedTree(options, branch["tokens"] if branch and branch["chosen"] else 0,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -34,7 +34,6 @@ from drafthead.hardware import synchronizer
 
 from ..drafter import Accepted
 from ..drafters.eagle import HeadDrafter
-from ..engine import SpeculativeGenerator
 from ..runners import StaticRunner, make_runner
 from ..runners.kv import static_cache_supported
 from ..tree import TREE_PRESETS, DraftTree, TreeOptions
@@ -218,12 +217,13 @@ def _decode_in_turns(gens: dict, inputs: list[torch.Tensor], max_new_tokens: int
 
 
 def measure_decoding_ms(model: nn.Module, head: DraftHead, runner, trees: list[TreeOptions | None],
-                        inputs: list[torch.Tensor], max_new_tokens: int, rounds: int = TRIAL_ROUNDS) -> dict:
+                        inputs: list[torch.Tensor], max_new_tokens: int, rounds: int = TRIAL_ROUNDS, *,
+                        generator: Callable[..., Any]) -> dict:
     """{tree: median ms per decoding step (prefill excluded)} of real greedy generations of `inputs` on `runner`
     (None: plain decoding): drafting, verification, compaction and bookkeeping, all as decoding runs them, the generators taking turns (_decode_in_turns)."""
     compiled = getattr(runner, "compiled", False)
-    gens = {tree: SpeculativeGenerator(model, head if tree else None, tree=tree or "none", runner=runner,
-                                       compile=compiled) for tree in trees}
+    gens = {tree: generator(model, head if tree else None, tree=tree or "none", runner=runner, compile=compiled)
+            for tree in trees}
     stats = _decode_in_turns(gens, inputs, max_new_tokens, rounds)
     return {tree: statistics.median(1000 * (s.total_time_s - s.prefill_time_s) / max(len(s.accept_lengths), 1)
                                     for s in runs) for tree, runs in stats.items()}
@@ -241,27 +241,28 @@ def _rates(gens: dict, inputs: list[torch.Tensor], max_new_tokens: int, rounds: 
 
 
 def measure_lookup_branch(model: nn.Module, head: DraftHead, runner, tree: TreeOptions, lookup_tokens: int,
-                          inputs: list[torch.Tensor], max_new_tokens: int, rounds: int = TRIAL_ROUNDS) -> dict:
+                          inputs: list[torch.Tensor], max_new_tokens: int, rounds: int = TRIAL_ROUNDS, *,
+                          generator: Callable[..., Any]) -> dict:
     """Decoding tokens/s (new tokens over decode time, prefill excluded, all prompts and rounds together) of the
     head's `tree` alone (False) and with the prompt-lookup branch of up to `lookup_tokens` tokens (True), the two
     taking turns on `runner`. The branch's gain is real tokens, not a replay: it accepts copies of the context,
     which the head's recorded trees know nothing of."""
     compiled = getattr(runner, "compiled", False)
-    gens = {hybrid: SpeculativeGenerator(model, head, tree=tree, runner=runner, compile=compiled, hybrid=hybrid,
-                                         lookup_tokens=lookup_tokens) for hybrid in (False, True)}
+    gens = {hybrid: generator(model, head, tree=tree, runner=runner, compile=compiled, hybrid=hybrid,
+                              lookup_tokens=lookup_tokens) for hybrid in (False, True)}
     return {hybrid: rate["tokens_per_s"] for hybrid, rate in _rates(gens, inputs, max_new_tokens, rounds).items()}
 
 
 def choose_draft_vocab(model: nn.Module, heads: dict[int, DraftHead], runner, tree: TreeOptions,
                        inputs: list[torch.Tensor], max_new_tokens: int, rounds: int = TRIAL_ROUNDS,
-                       verbose: bool = True) -> tuple[int, dict]:
+                       verbose: bool = True, *, generator: Callable[..., Any]) -> tuple[int, dict]:
     """Weigh a head's draft-vocabulary coverage against its drafting cost: `heads` maps a draft vocabulary size to
     the head pruned to it (DraftHead.pruned; the unpruned head under its own size), and each decodes the
     calibration prompts with `tree` on `runner`, taking turns. A smaller vocabulary drafts faster (the lm_head over
     the draft vocabulary is a large share of a CPU drafting step) and accepts less (the tokens left out are never
     drafted); the measured tokens/s decides. Returns (chosen size, {size: {"tokens_per_s", "tau"}})."""
     compiled = getattr(runner, "compiled", False)
-    gens = {size: SpeculativeGenerator(model, head, tree=tree, runner=runner, compile=compiled)
+    gens = {size: generator(model, head, tree=tree, runner=runner, compile=compiled)
             for size, head in sorted(heads.items())}
     rates = _rates(gens, inputs, max_new_tokens, rounds)
     chosen = max(rates, key=lambda size: rates[size]["tokens_per_s"])
@@ -346,6 +347,8 @@ def auto_tree(
     lookup_tokens: int = 0,
     vocab_heads: dict[int, DraftHead] | None = None,
     budget: TuningBudget = FULL,
+    *,
+    generator: Callable[..., Any],
 ) -> tuple[TreeOptions | None, dict]:
     """Choose the tree budget that maximises expected tokens/s on this device, dtype and runner (the one the
     generator will use: pass it; default a new static-or-eager runner). Returns (options, report); options is None
@@ -357,7 +360,7 @@ def auto_tree(
     vocab_heads ({draft vocabulary size: head pruned to it}): the chosen tree then decodes with each
     (choose_draft_vocab), before the lookup branch is tried with the fastest; report["draft_vocab"]["chosen"] names
     it. The tree itself is tuned with `head`. `budget`: how much to measure (FULL, or QUICK for a bounded first
-    call)."""
+    call). `generator`: SpeculativeGenerator (passed in: the engine imports this module for tree="auto")."""
     if runner is None:
         runner = make_runner(model, head.config.aux_layer_ids)
     # acceptance does not depend on the runner: record it on an uncompiled one of its own (a bucket for the
@@ -365,7 +368,7 @@ def auto_tree(
     recorder = RecordingDrafter(head, budget.calibration)
     calibration_runner = "auto" if static_cache_supported(model) else \
         StaticRunner(model, head.config.aux_layer_ids, buckets=(1, budget.calibration.tree_size))
-    gen = SpeculativeGenerator(model, recorder, compile=False, runner=calibration_runner)
+    gen = generator(model, recorder, compile=False, runner=calibration_runner)
     records = recorder.records
     overhead_ms = []
     last = None
@@ -409,7 +412,7 @@ def auto_tree(
     finalists = dict(list(finalists.items())[:budget.trial_trees])
     trees = [TreeOptions(depth=d, top_k=k, total_tokens=n) for *_, d, k, n in finalists.values()]
     trial_ms = measure_decoding_ms(model, head, runner, [None, *trees], calibration_inputs, max_new_tokens,
-                                   rounds=budget.rounds)
+                                   rounds=budget.rounds, generator=generator)
     plain_ms = trial_ms.pop(None)
     measured = [(1000 * tau / trial_ms[o], tau, trial_ms[o], o.depth, o.top_k, o.total_tokens)
                 for (_, tau, *_), o in zip(finalists.values(), trees)]
@@ -420,7 +423,7 @@ def auto_tree(
     draft_vocab = None
     if options is not None and vocab_heads and len(vocab_heads) > 1:
         size, rates = choose_draft_vocab(model, vocab_heads, runner, options, calibration_inputs, max_new_tokens,
-                                         rounds=budget.rounds, verbose=verbose)
+                                         rounds=budget.rounds, verbose=verbose, generator=generator)
         head = vocab_heads[size]
         draft_vocab = {"chosen": size, "trial": {str(k): v for k, v in rates.items()}}
     lookup_branch = None
@@ -433,7 +436,7 @@ def auto_tree(
                              "skipped": f"the tree fills the runner's largest verify bucket ({buckets[-1]})"}
         else:
             rates = measure_lookup_branch(model, head, runner, options, branch_tokens, calibration_inputs,
-                                          max_new_tokens, rounds=budget.rounds)
+                                          max_new_tokens, rounds=budget.rounds, generator=generator)
             lookup_branch = {"tokens": branch_tokens, "chosen": rates[True] >= rates[False],
                              "tokens_per_s": {"tree_alone": rates[False], "with_lookup": rates[True]}}
     gpu = TREE_PRESETS["gpu"]
