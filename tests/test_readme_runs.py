@@ -72,7 +72,9 @@ def test_runnable_blocks_of_the_readme_run_as_written(tmp_path):
     work = tmp_path / "clone"
     work.mkdir()
     (work / "configs").symlink_to(REPO / "configs")
+    # a cache of its own: generate's tree tuning of the tiny model is cached there, not in the user's cache
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "DRAFTHEAD_CACHE": str(tmp_path / "cache"),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     outputs = []
     for lang, body in runnable_blocks():
