@@ -16,6 +16,7 @@ from tiny import tiny_head, tiny_tokenizer
 
 from drafthead import save_head
 from drafthead.hardware import auto_dtype
+from drafthead.utils import atomic_write_json
 from inference import SpeculativeGenerator, TreeOptions
 from inference import generate as cli
 from inference.tuning import auto
@@ -91,10 +92,10 @@ def test_the_cache_key_tells_targets_heads_and_dtypes_apart(folders):
 def test_a_damaged_cache_file_is_tuned_again(tmp_path):
     key = {"format": auto.FORMAT, "target": "x"}
     path = tmp_path / "tree.json"
-    path.write_text('{"key": ')  # a writer killed half way (write_atomically never leaves one)
+    path.write_text('{"key": ')  # a writer killed half way (an atomic write never leaves one)
     assert auto.read_cached(path, key) is None
-    auto.write_atomically(path, {"key": key, "tree": {"depth": 2, "top_k": 3, "total_tokens": 4},
-                                 "lookup_tokens": 0, "plain_tokens_per_s": 10.0, "tokens_per_s": 12.0})
+    atomic_write_json(path, {"key": key, "tree": {"depth": 2, "top_k": 3, "total_tokens": 4},
+                             "lookup_tokens": 0, "plain_tokens_per_s": 10.0, "tokens_per_s": 12.0})
     assert auto.read_cached(path, key).tree == TreeOptions(2, 3, 4)
     assert auto.read_cached(path, {**key, "target": "y"}) is None
     assert [p.name for p in tmp_path.iterdir()] == ["tree.json"]

@@ -7,10 +7,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ import torch.nn as nn
 from drafthead import DraftHead
 from drafthead.hardware import cpu_flags
 from drafthead.paths import cache_dir
+from drafthead.utils import atomic_write_json
 
 from ..tree import TreeOptions
 from .budget import FULL, QUICK, TuningBudget, auto_tree
@@ -89,15 +88,6 @@ def cache_file(key: dict) -> Path:
     return cache_dir() / "tuning" / f"tree-{digest}.json"
 
 
-def write_atomically(path: Path, data: dict) -> None:
-    """Write JSON so that a reader (another process) sees the old file or the whole new one, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as f:
-        json.dump(data, f, indent=1)
-        tmp = f.name
-    os.replace(tmp, path)
-
-
 def read_cached(path: Path, key: dict) -> TunedTree | None:
     """The cached choice for `key`, or None (no file, an unreadable one, or another key)."""
     try:
@@ -159,7 +149,7 @@ def tuned_tree(model: nn.Module, head: DraftHead, tokenizer: Any, runner: Any, c
         chosen = report["predicted"]["tokens_per_s"] if options is not None else 0.0  # the chosen tree's trial rate
         cached = TunedTree(options, branch["tokens"] if branch and branch["chosen"] else 0,
                            report["predicted_plain"]["tokens_per_s"], chosen)
-        write_atomically(path, {"key": key, "tree": dataclasses.asdict(options) if options else "none",
+        atomic_write_json(path, {"key": key, "tree": dataclasses.asdict(options) if options else "none",
                                 "lookup_tokens": cached.lookup_tokens,
                                 "plain_tokens_per_s": cached.plain_tokens_per_s, "tokens_per_s": cached.tokens_per_s,
                                 "tuning_s": time.perf_counter() - start, "estimate_s": estimate, "report": report})
