@@ -95,6 +95,28 @@ def test_bench_measures_every_drafter_in_one_run(tmp_path):
     assert max(int(k) for k in result["methods"]["draft_model"]["accept_histogram"]) <= 4  # gamma 3 + bonus
 
 
+def test_bench_measures_the_library_defaults_beside_its_own_methods(tmp_path, monkeypatch):
+    """--methods api_default: SpeculativeGenerator.from_pretrained(target, head) with no other argument (the tree
+    tuned and cached under DRAFTHEAD_CACHE), interleaved with the others and greedy-identical to generate."""
+    from transformers import AutoModelForCausalLM
+
+    from inference.bench import build_parser, run_bench
+
+    monkeypatch.setenv("DRAFTHEAD_CACHE", str(tmp_path / "cache"))
+    target_dir = save_tiny_target(tmp_path / "target")
+    save_head(tiny_head(AutoModelForCausalLM.from_pretrained(target_dir), draft_vocab_size=200), tmp_path / "h")
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": w}) + "\n" for w in ["a b a b a", "c d e"]))
+    args = build_parser().parse_args([
+        "--target", str(target_dir), "--draft", str(tmp_path / "h"), "--methods", "speculative,api_default",
+        "--prompts", str(tmp_path / "p.jsonl"), "--max-new-tokens", "12", "--tree", "chain", "--dtype", "float32",
+        "--compile", "off", "--threads", "1", "--no-pld"])
+    result = run_bench(args)
+    assert list(result["tokens_per_s"]) == ["plain", "speculative_chain", "api_default"]
+    api_rows = result["per_prompt"]["api_default"]
+    assert len(api_rows) == 2 and all(row["greedy_match"] for row in api_rows)
+    assert list((tmp_path / "cache" / "tuning").glob("tree-*.json"))  # the defaults tuned the tree, and cached it
+
+
 def test_auto_lookup_branch_makes_the_speculative_method_hybrid(tmp_path):
     """When --tree auto kept the prompt-lookup branch, the main speculative method drafts with it (a hybrid
     drafter with --hybrid-tokens, or the fewer tokens the tuner measured) and tree_alone is the same tree without

@@ -195,6 +195,8 @@ METHODS = {
     "hybrid": "the head's tree plus the prompt-lookup branch (--hybrid-tokens)",
     "tree_alone": "where --tree auto added the lookup branch: the same tree without it",
     "draft_model": "a smaller LM drafting chains of --gamma tokens (--draft-model)",
+    "api_default": "SpeculativeGenerator.from_pretrained(--target, --draft) with no other argument: the library's "
+                   "defaults as a user gets them (its own copy of the target; tree='auto' tuned once and cached)",
 }
 DEFAULT_METHODS = "plain,prompt_lookup,engine_plain,speculative,tree_alone,full_vocab,compare"
 
@@ -260,6 +262,15 @@ def build_methods(args, model, head, tokenizer, eos, runner, options: TreeOption
                               model, head, max(hybrid_tree.depth, args.hybrid_tokens)))
     if "draft_model" in wanted:
         methods.append(Method("draft_model", engine("draft", small_model), model, head, args.gamma))
+    if "api_default" in wanted:
+        def api_default(target, draft):  # a float32 replay passes the reference target and head instead
+            gen = SpeculativeGenerator.from_pretrained(args.target, args.draft) if target is model else \
+                SpeculativeGenerator.from_pretrained(target, draft, tokenizer=tokenizer)
+            return spec_method(gen, args.max_new_tokens, args.temperature, eos, args.seed)
+
+        api = Method("api_default", api_default, model, head)
+        api.depth = api.generator.options.depth if api.generator.options else 0  # the tree it tuned
+        methods.append(api)
     return methods
 
 
