@@ -1,10 +1,11 @@
 """Command line (the library is inference/engine.py): stream a speculative generation to the terminal, then print
 tau and tokens/s.
 
-    python -m inference.generate --target PATH --draft PATH --prompt "Tell me a story" --chat \
+    python -m inference.generate --target PATH --draft PATH --prompt "Tell me a story" \
         [--temperature 0.7 --top-p 0.9] [--max-new-tokens 128] [--device auto] [--dtype fast] [--tree auto]
 
-It prints the device, dtype and tree it runs with first (stderr). --tree auto (the default) tunes the tree for this
+The prompt goes through the tokenizer's chat template when it has one (--no-chat: as raw text). It prints the
+device, dtype, tree and prompt form it runs with first (stderr). --tree auto (the default) tunes the tree for this
 target, head, machine and dtype on the first run (a notice says so, with an estimate) and reuses the choice from the
 cache folder afterwards.
 """
@@ -32,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gamma", type=int, default=4, help="draft-model chain length")
     ap.add_argument("--lookup-tokens", type=int, default=10, help="prompt-lookup chain length")
     ap.add_argument("--prompt", required=True)
-    ap.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                    help="wrap the prompt in the tokenizer's chat template (default: when the tokenizer has one; "
+                         "--no-chat: the raw text, for a base model)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-p", type=float, default=None)
@@ -66,13 +69,18 @@ def main(argv: list[str] | None = None) -> int:
         hybrid=True if args.hybrid else None, gamma=args.gamma, lookup_tokens=args.lookup_tokens,
         compile=args.compile,
     )
-    ref = next(gen.target.parameters())
-    print(f"[drafthead] {ref.device}, {str(ref.dtype).removeprefix('torch.')}, {gen.drafter.name} drafter, "
-          f"{describe_tree(gen)}", file=sys.stderr, flush=True)
     tok = gen.tokenizer
     if tok is None:
         ap.error(f"no tokenizer found in {args.target}")
-    if args.chat:
+    has_template = bool(getattr(tok, "chat_template", None))
+    if args.chat and not has_template:
+        ap.error(f"--chat: the tokenizer in {args.target} has no chat template (drop --chat to send the raw text)")
+    chat = has_template if args.chat is None else args.chat
+    ref = next(gen.target.parameters())
+    print(f"[drafthead] {ref.device}, {str(ref.dtype).removeprefix('torch.')}, {gen.drafter.name} drafter, "
+          f"{describe_tree(gen)}, prompt {'in the chat template' if chat else 'as raw text'}", file=sys.stderr,
+          flush=True)
+    if chat:
         prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                          return_tensors="pt", return_dict=True)
     else:

@@ -9,8 +9,8 @@ from; f32/bf16 are requantized from it, so every format holds the same model), e
 `python -m drafthead.export --format gguf`, and runs `llama-server` on 127.0.0.1 for each format, plain and with
 the head (`--spec-type draft-eagle3`, a chain of --spec-draft-n-max tokens). Prompts go in as the same token ids
 `inference.bench` feeds our engine. Per prompt: tokens/s over the whole request (prefill included, as in
-inference.bench), decode tokens/s, and for speculation the mean accepted length per target step,
-tokens / (tokens - accepted drafts), which is inference.bench's tau. Measure on an idle machine: llama.cpp's
+inference.bench), decode tokens/s, and for speculation the mean accepted length per target step after the
+prefill, (tokens - 1) / (tokens - 1 - accepted drafts), as inference.bench's tau counts it. Measure on an idle machine: llama.cpp's
 threads spin-wait on each other, and a shared CPU slows it many times.
 """
 
@@ -182,7 +182,8 @@ def summarise(rows: list[dict]) -> dict:
     summary["new_tokens"] = sum(r["new_tokens"] for r in rows)
     if "draft_n" in rows[0]:
         accepted = sum(r["draft_n_accepted"] for r in rows)
-        summary["tau"] = summary["new_tokens"] / (summary["new_tokens"] - accepted)
+        after_prefill = summary["new_tokens"] - len(rows)  # the prefill's token is no verification step
+        summary["tau"] = after_prefill / (after_prefill - accepted)
         summary["draft_acceptance"] = accepted / max(sum(r["draft_n"] for r in rows), 1)
     return summary
 

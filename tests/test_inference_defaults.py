@@ -164,8 +164,13 @@ def test_slower_than_plain_decoding_warns_once(folders):
 
 def test_cli_prints_device_dtype_and_tree(folders, capsys):
     target, head = folders
-    cli.main(["--target", str(target), "--draft", str(head), "--prompt", "hi", "--chat", "--max-new-tokens", "4",
+    cli.main(["--target", str(target), "--draft", str(head), "--prompt", "hi", "--max-new-tokens", "4",
               "--tree", "chain", "--branching", "1"])
     err = capsys.readouterr().err
     dtype = str(auto_dtype("cpu")).removeprefix("torch.")
-    assert f"[drafthead] cpu, {dtype}, eagle drafter, tree depth 5, branching 1, 5 tokens" in err
+    # an instruct model's tokenizer has a chat template: the prompt goes through it without --chat
+    assert f"[drafthead] cpu, {dtype}, eagle drafter, tree depth 5, branching 1, 5 tokens, prompt in the chat " \
+           "template" in err
+    cli.main(["--target", str(target), "--draft", str(head), "--prompt", "hi", "--max-new-tokens", "4",
+              "--tree", "chain", "--no-chat"])
+    assert "prompt as raw text" in capsys.readouterr().err
