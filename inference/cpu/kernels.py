@@ -113,6 +113,11 @@ def _register_fakes(namespace: str, block: int) -> None:
     def _(x, packed, columns, bias, live=None):
         return x.new_empty(*x.shape[:-1], packed.shape[0] * block)
 
+    if namespace == "drafthead_avx2":
+        @torch.library.register_fake(f"{namespace}::small_linear_q")
+        def _(x, packed, params, bias, live=None):
+            return x.new_empty(*x.shape[:-1], packed.shape[0] * block)
+
     @torch.library.register_fake(f"{namespace}::prefix_attention")
     def _(query, key, value, mask, scaling, length, rows):
         b, heads, n, d = query.shape

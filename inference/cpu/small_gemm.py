@@ -105,12 +105,16 @@ class SmallRowLinear(nn.Linear):
     packed: torch.Tensor
     int8_weight: torch.Tensor | None  # buffers (None until use_int8_weights gives the module its int8 copy)
     int8_columns: torch.Tensor | None
+    qpacked: torch.Tensor | None  # a GGUF target's own quantized blocks (gguf_weights.py), else None
+    qparams: torch.Tensor | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _int8_active and self.int8_weight is not None:
             return int8_linear(x, self.int8_weight, self.int8_columns, self.bias)
         packed = self.packed
         if _row_limit and packed is not None and x.dtype == packed.dtype and x.numel() <= _row_limit * x.shape[-1]:
+            if self.qpacked is not None and x.dtype == torch.float32:  # = the float32 kernel on the dequantized W
+                return torch.ops.drafthead_avx2.small_linear_q(x, self.qpacked, self.qparams, self.bias, _live)
             if x.dtype == torch.bfloat16:
                 return torch.ops.drafthead_kernels.small_linear(x, packed, self.bias, _live)
             return torch.ops.drafthead_avx2.small_linear(x, packed, self.bias, _live)
@@ -239,8 +243,8 @@ def use_small_row_kernel(model: nn.Module, float32: bool = False) -> int:
                                   else type(module))
             module.__class__ = SmallRowLinear
             module.register_buffer("packed", packed[start: start + blocks], persistent=False)
-            for name in ("int8_weight", "int8_columns"):
-                if name not in module._buffers:  # no int8 copy (yet)
+            for name in ("int8_weight", "int8_columns", "qpacked", "qparams"):
+                if name not in module._buffers:  # no int8 copy (yet), no GGUF blocks
                     module.register_buffer(name, None, persistent=False)
             start += blocks
     _hold(linears, "rows")

@@ -11,6 +11,11 @@
 //
 // Layout of `packed`: (N/16, K, 16) float; element [b, k, c] = W[16 b + c, k]. small_linear_int8 takes int8
 // weights in the same layout (a self-draft's int8 copy, one scale per output column), widened in registers.
+//
+// small_linear_q multiplies by a GGUF target's own quantized blocks (Q8_0, Q4_1; gguf_weights.py packs them),
+// dequantized in registers to exactly the float32 values the dequantized model holds (gguf's d·q and d·q + m, each
+// step rounded as numpy rounds it) and summed in the same order as small_linear: the result is bit-identical to
+// small_linear on the dequantized weight, while a step streams 0.75 (Q4_1) or 1.5 (Q8_0) bytes a weight, not 4.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -40,12 +45,66 @@ inline void load_weights(const int8_t* b, __m256& b0, __m256& b1) {
   b1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v)));
 }
 
+// a product the compiler may not fuse with the addition that follows (gguf's dequantization rounds it first)
+inline __m256 rounded_mul(__m256 a, __m256 b) {
+  __m256 p = _mm256_mul_ps(a, b);
+  asm("" : "+x"(p));
+  return p;
+}
+
+// The weights of one packed 16-column block, read k by k from some k on. Plain: float or int8 values, (K, 16).
+template <typename W>
+struct Plain {
+  const W* p;
+  static constexpr int64_t kPerLine = 64 / (kBlock * sizeof(W));  // k's per cache line
+  Plain at(int64_t k0) const { return {p + k0 * kBlock}; }
+  const void* ahead(int64_t i) const { return p + (i + kChunk) * kBlock; }
+  void load(int64_t i, __m256& b0, __m256& b1) const { load_weights(p + i * kBlock, b0, b1); }
+};
+
+constexpr int64_t kGroup = 32;  // k's per GGUF block (Q8_0, Q4_1), one scale (and minimum) per column each
+
+// Q8_0: int8 q (K, 16) and one float scale d per 32 k and column (K/32, 16): w = q · d
+struct Q8 {
+  const int8_t* q;
+  const float* d;
+  static constexpr int64_t kPerLine = 64 / kBlock;
+  Q8 at(int64_t k0) const { return {q + k0 * kBlock, d + k0 / kGroup * kBlock}; }
+  const void* ahead(int64_t i) const { return q + (i + kChunk) * kBlock; }
+  void load(int64_t i, __m256& b0, __m256& b1) const {
+    load_weights(q + i * kBlock, b0, b1);
+    const float* s = d + i / kGroup * kBlock;
+    b0 = rounded_mul(b0, _mm256_loadu_ps(s));
+    b1 = rounded_mul(b1, _mm256_loadu_ps(s + 8));
+  }
+};
+
+// Q4_1: 4-bit q (K, 8 bytes: column 2j in byte j's low nibble, 2j + 1 in its high one) and per 32 k and column a
+// float scale d and minimum m ((K/32, 2, 16): the 16 d's, then the 16 m's): w = q · d + m
+struct Q4 {
+  const uint8_t* q;
+  const float* dm;
+  static constexpr int64_t kPerLine = 64 / (kBlock / 2);
+  Q4 at(int64_t k0) const { return {q + k0 * kBlock / 2, dm + k0 / kGroup * 2 * kBlock}; }
+  const void* ahead(int64_t i) const { return q + (i + kChunk) * kBlock / 2; }
+  void load(int64_t i, __m256& b0, __m256& b1) const {
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i * kBlock / 2));
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m128i q16 = _mm_unpacklo_epi8(_mm_and_si128(v, nibble), _mm_and_si128(_mm_srli_epi16(v, 4), nibble));
+    const float* s = dm + i / kGroup * 2 * kBlock;
+    b0 = _mm256_add_ps(rounded_mul(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q16)), _mm256_loadu_ps(s)),
+                       _mm256_loadu_ps(s + kBlock));
+    b1 = _mm256_add_ps(rounded_mul(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q16, 8))),
+                                   _mm256_loadu_ps(s + 8)),
+                       _mm256_loadu_ps(s + kBlock + 8));
+  }
+};
+
 // out (rows, 16) (+)= a (rows, chunk) · one packed block's chunk (chunk, 16); `first`: the chunk starts the sum
-template <int kRows, typename W>
-void block_dot(const float* a, int64_t lda, const W* b, int64_t chunk, bool first, float* out, int64_t ldo) {
+template <int kRows, typename Cursor>
+void block_dot(const float* a, int64_t lda, const Cursor& b, int64_t chunk, bool first, float* out, int64_t ldo) {
   // every loop over the rows unrolled: then the accumulators live in registers only (with one loop left rolled,
   // GCC kept the array in memory too and stored all 8 accumulators on every k: ~1.7x slower at 8 rows)
-  constexpr int64_t kPerLine = 64 / (kBlock * sizeof(W));  // k's of a block per cache line
   __m256 c[kRows][2];
 #pragma GCC unroll 4
   for (int m = 0; m < kRows; ++m) {
@@ -55,9 +114,9 @@ void block_dot(const float* a, int64_t lda, const W* b, int64_t chunk, bool firs
   for (int64_t i = 0; i < chunk; ++i) {
     // the weights one piece ahead (the block's next piece, or the next block's first: they follow in memory), so
     // that they arrive while this piece is multiplied for every row group (no fault past the end: a hint)
-    if (i % kPerLine == 0) _mm_prefetch(reinterpret_cast<const char*>(b + (i + kChunk) * kBlock), _MM_HINT_T0);
+    if (i % Cursor::kPerLine == 0) _mm_prefetch(reinterpret_cast<const char*>(b.ahead(i)), _MM_HINT_T0);
     __m256 b0, b1;
-    load_weights(b + i * kBlock, b0, b1);
+    b.load(i, b0, b1);
 #pragma GCC unroll 4
     for (int m = 0; m < kRows; ++m) {
       const __m256 am = _mm256_broadcast_ss(a + m * lda + i);
@@ -72,23 +131,25 @@ void block_dot(const float* a, int64_t lda, const W* b, int64_t chunk, bool firs
   }
 }
 
-// y (m_total, N) = a (m_total, K) · packed (N/16, K, 16)ᵀ, then each column times scale (if any) plus bias (if any)
-template <typename W>
-void multiply(const float* a, int64_t m_total, int64_t k, const W* packed, int64_t blocks, const float* scale,
+// y (m_total, N) = a (m_total, K) · W (N, K)ᵀ with W's blocks given by block(b) (a cursor at k = 0), then each
+// column times scale (if any) plus bias (if any)
+template <typename Cursor, typename Block>
+void multiply(const float* a, int64_t m_total, int64_t k, Block block, int64_t blocks, const float* scale,
               const float* bias, float* y) {
-  using BlockDot = void (*)(const float*, int64_t, const W*, int64_t, bool, float*, int64_t);
-  static const BlockDot kBlockDot[kMaxRows + 1] = {nullptr, block_dot<1, W>, block_dot<2, W>, block_dot<3, W>,
-                                                   block_dot<4, W>};
+  using BlockDot = void (*)(const float*, int64_t, const Cursor&, int64_t, bool, float*, int64_t);
+  static const BlockDot kBlockDot[kMaxRows + 1] = {nullptr, block_dot<1, Cursor>, block_dot<2, Cursor>,
+                                                   block_dot<3, Cursor>, block_dot<4, Cursor>};
   const int64_t n = blocks * kBlock;
   at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
     for (int64_t blk = first; blk < last; ++blk) {
       const int64_t col = blk * kBlock;
-      const W* block = packed + blk * k * kBlock;
+      const Cursor weights = block(blk);
       for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
         const int64_t chunk = std::min(kChunk, k - k0);
+        const Cursor piece = weights.at(k0);
         for (int64_t m0 = 0; m0 < m_total; m0 += kMaxRows) {
           const int rows_now = static_cast<int>(std::min<int64_t>(kMaxRows, m_total - m0));
-          kBlockDot[rows_now](a + m0 * k + k0, k, block + k0 * kBlock, chunk, k0 == 0, y + m0 * n + col, n);
+          kBlockDot[rows_now](a + m0 * k + k0, k, piece, chunk, k0 == 0, y + m0 * n + col, n);
         }
       }
       if (scale == nullptr && bias == nullptr) continue;
@@ -100,6 +161,14 @@ void multiply(const float* a, int64_t m_total, int64_t k, const W* packed, int64
       }
     }
   });
+}
+
+// packed (N/16, K, 16) of W's type, one block after another
+template <typename W>
+void multiply_packed(const float* a, int64_t m_total, int64_t k, const W* packed, int64_t blocks, const float* scale,
+                     const float* bias, float* y) {
+  multiply<Plain<W>>(a, m_total, k, [=](int64_t b) { return Plain<W>{packed + b * k * kBlock}; }, blocks, scale,
+                     bias, y);
 }
 
 // x's rows (..., K) as one contiguous float (M, K), after checking x against a packed (N/16, K, 16) weight
@@ -134,8 +203,8 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& packed,
   const int64_t m_live = live_rows(x, rows.size(0), live);
   const torch::Tensor bias_f = float_bias(bias, n, "small_linear");
   torch::Tensor out = output_rows(x, rows.size(0), m_live, n);
-  multiply(rows.data_ptr<float>(), m_live, rows.size(1), packed.data_ptr<float>(), blocks, nullptr,
-           data_or_null(bias_f), out.data_ptr<float>());
+  multiply_packed(rows.data_ptr<float>(), m_live, rows.size(1), packed.data_ptr<float>(), blocks, nullptr,
+                  data_or_null(bias_f), out.data_ptr<float>());
   return out.view(out_shape(x, n));
 }
 
@@ -154,9 +223,53 @@ torch::Tensor small_linear_int8(const torch::Tensor& x, const torch::Tensor& pac
   const torch::Tensor scale = columns.select(0, 0).contiguous();
   const torch::Tensor bias_f = float_bias(bias, n, "small_linear_int8");
   torch::Tensor out = output_rows(x, rows.size(0), m_live, n);
-  multiply(rows.data_ptr<float>(), m_live, rows.size(1), packed.data_ptr<int8_t>(), blocks,
-           scale.data_ptr<float>(), data_or_null(bias_f), out.data_ptr<float>());
+  multiply_packed(rows.data_ptr<float>(), m_live, rows.size(1), packed.data_ptr<int8_t>(), blocks,
+                  scale.data_ptr<float>(), data_or_null(bias_f), out.data_ptr<float>());
+  return out.view(out_shape(x, n));
+}
+
+// A GGUF target's quantized weight (gguf_weights.py packs it): x (..., K) float; packed int8 (N/16, K, 16) with
+// scales (N/16, K/32, 16) float (Q8_0), or uint8 (N/16, K, 8) nibbles with scales and minimums (N/16, K/32, 2, 16)
+// float (Q4_1); bias (N,) or none -> (..., N) float, bit-identical to small_linear on the dequantized weight;
+// `live` as small_linear's.
+torch::Tensor small_linear_q(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& params,
+                             const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& live) {
+  const bool q8 = packed.scalar_type() == at::kChar;
+  TORCH_CHECK((q8 || packed.scalar_type() == at::kByte) && packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.size(2) == (q8 ? kBlock : kBlock / 2) && packed.size(1) % kGroup == 0,
+              "small_linear_q: packed must be contiguous int8 (N/16, K, 16) or uint8 (N/16, K, 8) with K a multiple "
+              "of 32, got ", packed.scalar_type(), " ", packed.sizes());
+  const int64_t blocks = packed.size(0), k = packed.size(1), n = blocks * kBlock, groups = k / kGroup;
+  TORCH_CHECK(params.scalar_type() == at::kFloat && params.is_contiguous() &&
+                  params.numel() == blocks * groups * kBlock * (q8 ? 1 : 2),
+              "small_linear_q: params must be contiguous float (N/16, K/32", q8 ? "" : ", 2", ", 16), got ",
+              params.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) == k, "small_linear_q: x must be float32 with ", k,
+              " features, got ", x.scalar_type(), " ", x.sizes());
+  const torch::Tensor rows = x.reshape({-1, k}).contiguous();
+  const int64_t m_live = live_rows(x, rows.size(0), live);
+  const torch::Tensor bias_f = float_bias(bias, n, "small_linear_q");
+  torch::Tensor out = output_rows(x, rows.size(0), m_live, n);
+  const float* p = params.data_ptr<float>();
+  if (q8) {
+    const int8_t* q = packed.data_ptr<int8_t>();
+    multiply<Q8>(rows.data_ptr<float>(), m_live, k,
+                 [=](int64_t b) { return Q8{q + b * k * kBlock, p + b * groups * kBlock}; }, blocks, nullptr,
+                 data_or_null(bias_f), out.data_ptr<float>());
+  } else {
+    const uint8_t* q = packed.data_ptr<uint8_t>();
+    multiply<Q4>(rows.data_ptr<float>(), m_live, k,
+                 [=](int64_t b) { return Q4{q + b * k * kBlock / 2, p + b * groups * 2 * kBlock}; }, blocks, nullptr,
+                 data_or_null(bias_f), out.data_ptr<float>());
+  }
   return out.view(out_shape(x, n));
 }
 
 DRAFTHEAD_SMALL_LINEAR_OPS(drafthead_avx2)
+
+TORCH_LIBRARY_FRAGMENT(drafthead_avx2, m) {
+  m.def("small_linear_q(Tensor x, Tensor packed, Tensor params, Tensor? bias, Tensor? live=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(drafthead_avx2, CPU, m) { m.impl("small_linear_q", &small_linear_q); }
+

@@ -38,6 +38,7 @@ from drafthead.capture import HiddenStateCapture
 from drafthead.masks import to_additive
 from drafthead.utils import cache_argument
 
+from ..cpu.gguf_weights import has_gguf_weights
 from ..cpu.small_gemm import BATCH_KERNEL_ROWS, live_entries, release_kernels, small_row_kernel, use_small_row_kernel
 from ..drafter import Accepted
 from .attention import PREFILL_NAME, attention_implementation, decoding_attention, kv_length_kwargs
@@ -85,6 +86,7 @@ class StaticRunner:
         # step's few rows with small_gemm's kernel (bf16 with AVX512-BF16, float32 with AVX2)
         self.attention = decoding_attention(self.device, self.dtype, compile)
         self.small_rows = use_small_row_kernel(model, float32=True) > 0
+        self.quantized = has_gguf_weights(model)  # a GGUF target's own blocks (cpu/gguf_weights.py)
         # the model as it was handed over once the runner is closed or dropped
         self.release = weakref.finalize(self, release_target, model, self.capture)
         self.buckets = tuple(sorted(buckets))
@@ -201,7 +203,7 @@ class StaticRunner:
         """Up to how many rows x tokens a step's linears multiply with the small-row kernel (0: never). Float32 at
         one row compiled is the exception: inductor's frozen GEMMs beat the kernel there
         (docs/results/small_gemm_avx2_unrolled_zen3.json)."""
-        one_row_fp32 = self.rows == 1 and self.compiled and self.dtype == torch.float32
+        one_row_fp32 = self.rows == 1 and self.compiled and self.dtype == torch.float32 and not self.quantized
         return 0 if one_row_fp32 or not self.small_rows else BATCH_KERNEL_ROWS
 
     def close(self) -> None:
