@@ -46,9 +46,9 @@ def resolve_source(source: str | Path, what: str) -> str:
 def load_causal_lm(source: str | Path | nn.Module, dtype: torch.dtype | None = None,
                    tokenizer: Any = None, what: str = "model") -> tuple[nn.Module, Any]:
     """A causal LM (folder, Hub id or GGUF file, or an already loaded model) and its tokenizer (the given one, else
-    the folder's or file's if it has one). dtype None keeps the checkpoint's. A GGUF file loads dequantized (float32
-    unless dtype says otherwise) and, in float32 on a CPU with AVX2, keeps its Q8_0 / Q4_1 blocks for the decoding
-    steps (cpu/gguf_weights.py: the same logits, a fraction of the bytes)."""
+    the folder's or file's if it has one). dtype None keeps the checkpoint's. A GGUF file loads dequantized and, in
+    float32 on a CPU with AVX2, keeps its Q8_0 / Q4_1 blocks for the decoding steps (cpu/gguf_weights.py: the same
+    logits, a fraction of the bytes)."""
     if not isinstance(source, (str, Path)):
         return source, tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -57,7 +57,6 @@ def load_causal_lm(source: str | Path | nn.Module, dtype: torch.dtype | None = N
     where = dict(pretrained_model_name_or_path=source)
     if source.endswith(".gguf"):
         where = dict(pretrained_model_name_or_path=str(Path(source).parent), gguf_file=Path(source).name)
-        dtype = torch.float32 if dtype is None else dtype
     model = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype if dtype is not None else "auto")
     if "gguf_file" in where:
         from .cpu.gguf_weights import use_gguf_weights

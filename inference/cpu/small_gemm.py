@@ -32,6 +32,7 @@ BATCH_KERNEL_ROWS = 64
 # the row limit inside small_row_kernel() (0: outside); a module global, so a compiled step guards on it (a module
 # attribute would not be guarded: the compiled steps skip guards on nn.Module state)
 _row_limit = 0
+_row_min = 1  # and the fewest rows the kernel takes there
 # inside int8_weights(): linears that hold an int8 copy (use_int8_weights) multiply with it; a module global too
 _int8_active = False
 # inside live_entries(b): the kernel multiplies only the rows of an input's first b entries along dim 0 (a batch's
@@ -80,9 +81,11 @@ def _module_global(name: str, value):
         globals()[name] = previous
 
 
-def small_row_kernel(max_rows: int = KERNEL_ROWS) -> contextlib.AbstractContextManager:
-    """Inside this context SmallRowLinear modules multiply inputs of up to `max_rows` rows with the kernel."""
-    return _module_global("_row_limit", max_rows)
+@contextlib.contextmanager
+def small_row_kernel(max_rows: int = KERNEL_ROWS, min_rows: int = 1):
+    """Inside this context SmallRowLinear modules multiply inputs of `min_rows` to `max_rows` rows with the kernel."""
+    with _module_global("_row_limit", max_rows), _module_global("_row_min", min_rows):
+        yield
 
 
 @contextlib.contextmanager
@@ -112,7 +115,8 @@ class SmallRowLinear(nn.Linear):
         if _int8_active and self.int8_weight is not None:
             return int8_linear(x, self.int8_weight, self.int8_columns, self.bias)
         packed = self.packed
-        if _row_limit and packed is not None and x.dtype == packed.dtype and x.numel() <= _row_limit * x.shape[-1]:
+        if _row_limit and packed is not None and x.dtype == packed.dtype and \
+                _row_min * x.shape[-1] <= x.numel() <= _row_limit * x.shape[-1]:
             if self.qpacked is not None and x.dtype == torch.float32:  # = the float32 kernel on the dequantized W
                 return torch.ops.drafthead_avx2.small_linear_q(x, self.qpacked, self.qparams, self.bias, _live)
             if x.dtype == torch.bfloat16:

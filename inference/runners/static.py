@@ -194,17 +194,20 @@ class StaticRunner:
         stack = contextlib.ExitStack()
         stack.enter_context(scoped_settings(self.device.type != "cuda"))
         stack.enter_context(attention_implementation(self.model, self.attention))
-        if self.kernel_rows:
-            stack.enter_context(small_row_kernel(self.kernel_rows))
+        low, high = self.kernel_rows
+        if high:
+            stack.enter_context(small_row_kernel(high, low))
         return stack
 
     @property
-    def kernel_rows(self) -> int:
-        """Up to how many rows x tokens a step's linears multiply with the small-row kernel (0: never). Float32 at
-        one row compiled is the exception: inductor's frozen GEMMs beat the kernel there
-        (docs/results/small_gemm_avx2_unrolled_zen3.json)."""
+    def kernel_rows(self) -> tuple[int, int]:
+        """(fewest, most) rows x tokens a step's linears multiply with the small-row kernel ((0, 0): never). Float32
+        at one row compiled leaves up to SMALL_GEMM_ROWS rows to inductor's GEMMs, which beat the kernel there
+        (docs/results/small_gemm_avx2_unrolled_zen3.json) but cost 4-5x more past them (a tree's verification)."""
+        if not self.small_rows:
+            return 0, 0
         one_row_fp32 = self.rows == 1 and self.compiled and self.dtype == torch.float32 and not self.quantized
-        return 0 if one_row_fp32 or not self.small_rows else BATCH_KERNEL_ROWS
+        return (SMALL_GEMM_ROWS + 1 if one_row_fp32 else 1), BATCH_KERNEL_ROWS
 
     def close(self) -> None:
         """Free the compiled steps and buffers, and give the model back as it was (hooks, linears)."""
@@ -247,7 +250,8 @@ class StaticRunner:
             return self._step_forward
         if size not in self._steps:
             self.shapes.add((self.rows, self.capacity, size))
-            small = self.rows * size <= SMALL_GEMM_ROWS and self.rows * size > self.kernel_rows
+            low, high = self.kernel_rows
+            small = self.rows * size <= SMALL_GEMM_ROWS and not low <= self.rows * size <= high
             # the buffers' guards are skipped (`unguarded`): new buffers come with new steps (reset)
             self._steps[size] = compile_step(self._step_forward, self.device, small_gemm=small,
                                              name=f"verify{self.rows}x{size}", unguarded=("self.cache",))
