@@ -25,7 +25,7 @@ import torch
 from .checkpoint import check_compatible, load_head, stored_dtype
 from .format import CONFIG_NAME, rope_type, vllm_aux_ids
 from .model import DraftHead
-from .utils import atomic_write_bytes
+from .utils import atomic_write_bytes, dtype_name
 
 ARCH = "eagle3"  # llama.cpp's architecture name (the gguf package on PyPI may predate it: keys spelled out below)
 OUTTYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
@@ -214,7 +214,7 @@ def write_gguf(head: DraftHead, target_dir: str | Path, out: str | Path, outtype
     cfg, target_dir, out = head.config, Path(target_dir), Path(out)
     if cfg.kind != "eagle3":
         raise ValueError(f"llama.cpp serves EAGLE-3 heads only; this head is {cfg.kind}")
-    outtype = outtype or OUTTYPE_OF_DTYPE.get(str(next(head.fc.parameters()).dtype).removeprefix("torch."), "f32")
+    outtype = outtype or OUTTYPE_OF_DTYPE.get(dtype_name(next(head.fc.parameters()).dtype), "f32")
     if outtype not in OUTTYPES:
         raise ValueError(f"--outtype must be one of {sorted(OUTTYPES)}, got {outtype!r}")
     if not (target_dir / CONFIG_NAME).exists():

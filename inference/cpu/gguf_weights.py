@@ -52,10 +52,6 @@ def _packers() -> dict:
     return {gguf.GGMLQuantizationType.Q8_0: _q8_0, gguf.GGMLQuantizationType.Q4_1: _q4_1}
 
 
-def _row_keys(weight: np.ndarray) -> list[bytes]:
-    return [row.tobytes() for row in weight]
-
-
 def pack_gguf_tensor(qtype, blocks: np.ndarray, rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """small_linear_q's (packed, params) of a Q8_0 / Q4_1 tensor's (N, bytes) blocks, its rows reordered by `rows`
     (row i of the result = row rows[i] of the file) when given."""
@@ -89,18 +85,16 @@ def use_gguf_weights(model: nn.Module, path: str | Path) -> int:
     packers = _packers()
     attached = 0
     for tensor in gguf.GGUFReader(str(path)).tensors:
-        if tensor.tensor_type not in packers:
+        candidates = wanted.get(tuple(int(n) for n in reversed(tensor.shape)), [])  # GGUF shapes run (K, N)
+        if tensor.tensor_type not in packers or not candidates:
             continue
         blocks = np.asarray(tensor.data)
         values = gguf.quants.dequantize(blocks, tensor.tensor_type)  # (N, K) float32, as transformers loaded it
-        candidates = wanted.get(values.shape, [])
-        if not candidates:
-            continue
         where: dict[bytes, int] = {}
-        for i, key in enumerate(_row_keys(values)):
-            where.setdefault(key, i)
+        for i, row in enumerate(values):
+            where.setdefault(row.tobytes(), i)
         for module in candidates:
-            rows = [where.get(key) for key in _row_keys(module.weight.numpy())]
+            rows = [where.get(row.tobytes()) for row in module.weight.numpy()]
             if any(r is None for r in rows):  # not this tensor's weights (or not an exact dequantization)
                 continue
             packed, params = pack_gguf_tensor(tensor.tensor_type, blocks, np.array(rows))
