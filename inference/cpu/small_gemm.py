@@ -114,14 +114,14 @@ class SmallRowLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _int8_active and self.int8_weight is not None:
             return int8_linear(x, self.int8_weight, self.int8_columns, self.bias)
-        packed = self.packed
-        if _row_limit and packed is not None and x.dtype == packed.dtype and \
-                _row_min * x.shape[-1] <= x.numel() <= _row_limit * x.shape[-1]:
+        if _row_limit and _row_min * x.shape[-1] <= x.numel() <= _row_limit * x.shape[-1]:
             if self.qpacked is not None and x.dtype == torch.float32:  # = the float32 kernel on the dequantized W
                 return torch.ops.drafthead_avx2.small_linear_q(x, self.qpacked, self.qparams, self.bias, _live)
-            if x.dtype == torch.bfloat16:
-                return torch.ops.drafthead_kernels.small_linear(x, packed, self.bias, _live)
-            return torch.ops.drafthead_avx2.small_linear(x, packed, self.bias, _live)
+            packed = self.packed
+            if packed is not None and x.dtype == packed.dtype:
+                if x.dtype == torch.bfloat16:
+                    return torch.ops.drafthead_kernels.small_linear(x, packed, self.bias, _live)
+                return torch.ops.drafthead_avx2.small_linear(x, packed, self.bias, _live)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -239,18 +239,23 @@ def use_small_row_kernel(model: nn.Module, float32: bool = False) -> int:
         return 0
     for group in _sibling_groups(model, [m for m in linears if getattr(m, "packed", None) is None]):
         kernels, block = _kernels(group[0].weight.dtype)
-        packed = torch.cat([kernels.pack_weight(m.weight.detach()) for m in group])
+        # a float32 linear holding a GGUF target's blocks multiplies with them (gguf_weights.py): no packed copy
+        dense = [m for m in group if getattr(m, "qpacked", None) is None or m.weight.dtype != torch.float32]
+        packed = torch.cat([kernels.pack_weight(m.weight.detach()) for m in dense]) if dense else None
         start = 0
         for module in group:
-            blocks = module.out_features // block
             _own_class.setdefault(module, nn.Linear if isinstance(module, (SmallRowLinear, Int8CopyLinear))
                                   else type(module))
             module.__class__ = SmallRowLinear
-            module.register_buffer("packed", packed[start: start + blocks], persistent=False)
             for name in ("int8_weight", "int8_columns", "qpacked", "qparams"):
                 if name not in module._buffers:  # no int8 copy (yet), no GGUF blocks
                     module.register_buffer(name, None, persistent=False)
-            start += blocks
+            if any(m is module for m in dense):
+                blocks = module.out_features // block
+                module.register_buffer("packed", packed[start: start + blocks], persistent=False)
+                start += blocks
+            else:
+                module.register_buffer("packed", None, persistent=False)
     _hold(linears, "rows")
     return len(linears)
 
