@@ -85,8 +85,9 @@ class SpeculativeGenerator:
     runner: "static" (preallocated KV buffers, fixed-shape verify buckets; runners/static.py), "eager" (any HF
     causal LM, one row, DynamicCache; runners/eager.py) or "auto" (static where the architecture allows, else eager
     with a one-line message), or a runner object to share (the benchmark shares one among its methods). compile:
-    torch.compile the runner's verify steps (CUDA graphs on CUDA); "auto" compiles on CUDA only, because on CPU
-    every step shape compiles for minutes, paid back only over long runs (the benchmark compiles). The
+    torch.compile the runner's verify steps (CUDA graphs on CUDA); "auto" compiles on CUDA, and on a CPU with
+    tree="auto" (the tuned fast path): there every step shape compiles for minutes (a notice says so first), paid
+    back over long runs; other trees stay uncompiled on a CPU unless compile=True. The
     runner, its buffers and its compiled graphs live as long as the generator. profile=True waits for the device
     between drafting and verification, so that stats split their times on CUDA (CPU steps are synchronous).
     """
@@ -101,7 +102,8 @@ class SpeculativeGenerator:
         self.device = next(target.parameters()).device
         if isinstance(runner, str) and runner not in ("auto", "static", "eager"):
             raise ValueError(f"runner must be 'auto', 'static', 'eager' or a runner object, got {runner!r}")
-        self.runner_kind, self.compile = runner, compile_setting(compile, self.device)
+        tuned = tree == "auto" and isinstance(draft, DraftHead) and tokenizer is not None
+        self.runner_kind, self.compile = runner, compile_setting(compile, self.device, tuned)
         self._runner = None if isinstance(runner, str) else runner  # a runner object is shared, e.g. by the bench
         self._prefill_runner: StaticRunner | None = None  # generate_many: prefills the waiting prompts
         self._owned: list = []  # the runners this generator made (a runner passed in stays its owner's)

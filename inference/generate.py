@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--total-tokens", type=int, default=None, help="drafted tokens verified a step (overrides --tree)")
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                     help="torch.compile the decoding steps (auto: on CUDA only; on a CPU each step shape compiles for "
-                         "minutes, paid back over long runs)")
+                         "minutes, paid back over long runs, not over one prompt)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = ap.parse_args(argv)
     if args.threads:
@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         args.target, args.draft, device=args.device, dtype="auto" if args.dtype == "checkpoint" else args.dtype,
         tree=args.tree, depth=args.depth, branching=args.branching, total_tokens=args.total_tokens,
         hybrid=True if args.hybrid else None, gamma=args.gamma, lookup_tokens=args.lookup_tokens,
-        compile=args.compile,
+        # a one-prompt command: "auto" compiles on CUDA only (the library's tuned path compiles on a CPU too)
+        compile=args.compile if args.compile != "auto" else torch.cuda.is_available() and args.device != "cpu",
     )
     tok = gen.tokenizer
     if tok is None:

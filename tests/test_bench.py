@@ -10,6 +10,7 @@ from tiny import tiny_head
 
 from conftest import save_tiny_target
 from drafthead import save_head
+from drafthead.hardware import auto_dtype
 
 
 def test_bench_json_and_bf16_divergences(tmp_path):
@@ -95,9 +96,11 @@ def test_bench_measures_every_drafter_in_one_run(tmp_path):
     assert max(int(k) for k in result["methods"]["draft_model"]["accept_histogram"]) <= 4  # gamma 3 + bonus
 
 
+@pytest.mark.slow
 def test_bench_measures_the_library_defaults_beside_its_own_methods(tmp_path, monkeypatch):
     """--methods api_default: SpeculativeGenerator.from_pretrained(target, head) with no other argument (the tree
-    tuned and cached under DRAFTHEAD_CACHE), interleaved with the others and greedy-identical to generate."""
+    tuned, compiled and cached under DRAFTHEAD_CACHE), interleaved with the others and greedy-identical to generate
+    where the defaults' dtype is the bench's float32 (bf16 outputs may differ at near-ties)."""
     from transformers import AutoModelForCausalLM
 
     from inference.bench import build_parser, run_bench
@@ -113,7 +116,9 @@ def test_bench_measures_the_library_defaults_beside_its_own_methods(tmp_path, mo
     result = run_bench(args)
     assert list(result["tokens_per_s"]) == ["plain", "speculative_chain", "api_default"]
     api_rows = result["per_prompt"]["api_default"]
-    assert len(api_rows) == 2 and all(row["greedy_match"] for row in api_rows)
+    assert len(api_rows) == 2
+    if auto_dtype("cpu") == torch.float32:
+        assert all(row["greedy_match"] for row in api_rows)
     assert list((tmp_path / "cache" / "tuning").glob("tree-*.json"))  # the defaults tuned the tree, and cached it
 
 

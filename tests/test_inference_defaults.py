@@ -50,22 +50,41 @@ def test_tree_auto_tunes_once_then_reads_the_cache(folders, tuning_cache, capsys
     one (another process would do the same) reads it back without tuning and decodes with the same tree."""
     target, head = folders
     cache, calls = tuning_cache
-    first = SpeculativeGenerator.from_pretrained(target, head, tree="auto", hybrid=False)
+    first = SpeculativeGenerator.from_pretrained(target, head, tree="auto", hybrid=False, compile=False)
     assert "tuning the draft tree for this machine once (about" in capsys.readouterr().err
     files = list((cache / "tuning").iterdir())
     assert len(calls) == 1 and len(files) == 1 and files[0].suffix == ".json"  # no temporary file left
     saved = json.loads(files[0].read_text())
-    assert saved["key"]["dtype"] == "float32" and saved["key"]["machine"] == auto.machine(torch.device("cpu"))
+    assert saved["key"]["dtype"] == str(auto_dtype("cpu")).removeprefix("torch.") and saved["key"]["machine"] == auto.machine(torch.device("cpu"))
     assert first.tuned is not None and saved["plain_tokens_per_s"] > 0
     assert (first.options is None) == first.plain == (saved["tree"] == "none")
     if first.options is not None:
         assert dataclasses.asdict(first.options) == saved["tree"]
-    second = SpeculativeGenerator.from_pretrained(target, head, tree="auto", hybrid=False)
+    second = SpeculativeGenerator.from_pretrained(target, head, tree="auto", hybrid=False, compile=False)
     assert len(calls) == 1 and "tuning" not in capsys.readouterr().err
     assert second.options == first.options and second.plain == first.plain
     ids = prompts(1, 200, seed=1)[0]
     assert torch.equal(second.generate(ids, max_new_tokens=8).sequences,
                        first.generate(ids, max_new_tokens=8).sequences)
+
+
+def test_tree_auto_compiles_on_a_cpu_and_other_trees_do_not(folders, tuning_cache, monkeypatch, capsys):
+    """compile="auto" (the default) is the fast path: the tuned tree compiles on a CPU too, the tuning says so in
+    its estimate; a fixed tree stays uncompiled there unless asked. (The tuning is stubbed: compiling it is slow,
+    and the tuning itself is tested above.)"""
+    target, head = folders
+    cache, calls = tuning_cache
+    report = {"lookup_branch": None, "predicted": {"tokens_per_s": 12.0}, "predicted_plain": {"tokens_per_s": 10.0}}
+    monkeypatch.setattr(auto, "auto_tree", lambda *a, **k: calls.append(k) or (TreeOptions(2, 2, 3), report))
+    tuned = SpeculativeGenerator.from_pretrained(target, head, device="cpu", hybrid=False)
+    assert "compiling its steps" in capsys.readouterr().err
+    assert len(calls) == 1 and tuned.compile and tuned.runner.compiled and tuned.options == TreeOptions(2, 2, 3)
+    assert json.loads(next((cache / "tuning").iterdir()).read_text())["key"]["compile"] is True
+    fixed = SpeculativeGenerator.from_pretrained(target, head, device="cpu", tree="cpu")
+    assert not fixed.compile and not fixed.runner.compiled
+    assert SpeculativeGenerator.from_pretrained(target, head, device="cpu", tree="cpu", compile=True).compile
+    for gen in (tuned, fixed):
+        gen.close()
 
 
 def test_the_cache_key_tells_targets_heads_and_dtypes_apart(folders):

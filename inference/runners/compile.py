@@ -23,12 +23,13 @@ def own_code(method, name: str = ""):
     return types.MethodType(clone, method.__self__)
 
 
-def compile_setting(compile: bool | str, device: torch.device) -> bool:
-    """Whether to compile: True/False (or the CLI's "on"/"off") as given; "auto" compiles on CUDA only (on CPU a
-    step's compile time pays only over long runs; docs/results/HISTORY.md)."""
+def compile_setting(compile: bool | str, device: torch.device, tuned: bool = False) -> bool:
+    """Whether to compile: True/False (or the CLI's "on"/"off") as given; "auto" compiles on CUDA, and on a CPU
+    for a tuned tree (`tuned`: tree="auto"), the fast path a user keeps a generator for: there a step's minutes of
+    compile pay over long runs only (docs/results/HISTORY.md), and uncompiled steps decode at about 0.7x."""
     compile = {"on": True, "off": False}.get(compile, compile)
     if compile == "auto":
-        return device.type == "cuda"
+        return device.type == "cuda" or tuned
     if compile not in (True, False):
         raise ValueError(f"compile must be 'auto', 'on', 'off', True or False, got {compile!r}")
     return bool(compile)

@@ -33,6 +33,11 @@ CALIBRATION_TOKENS = 64
 # the tuning of the real SmolLM2-135M target (fp32, AVX2 CPU, QUICK budget) took about this many times one target
 # forward over a 64-token chunk: the estimate printed before tuning
 TUNING_FORWARDS = 200
+# compiled (a CPU's tree="auto" compiles by default), the tuning compiles about this many step shapes (its verify
+# buckets, the trial trees' drafting steps, the prefill chunk), each for about this many seconds a decoder layer
+# (SmolLM2-135M's 30 layers: 35 s a shape on a Sapphire Rapids Xeon, 80-130 s on a Zen 3 EPYC, bf16 and fp32)
+TUNING_COMPILES = 9
+COMPILE_S_PER_LAYER = 2.0
 FORMAT = 1  # bumped when the cached file's meaning changes
 
 
@@ -114,8 +119,9 @@ def calibration_inputs(tokenizer: Any, device: torch.device) -> list[torch.Tenso
     return out
 
 
-def estimate_s(model: nn.Module, inputs: list[torch.Tensor]) -> float:
-    """Seconds the tuning should take here: TUNING_FORWARDS times one timed target forward over a prompt."""
+def estimate_s(model: nn.Module, inputs: list[torch.Tensor], compiled: bool = False) -> float:
+    """Seconds the tuning should take here: TUNING_FORWARDS times one timed target forward over a prompt, plus
+    the compiles when `compiled` (on a CPU; CUDA graphs capture in seconds)."""
     ids = inputs[0][:, :64]
     with torch.inference_mode():
         model(ids)  # the first call pays one-time setup
@@ -123,7 +129,11 @@ def estimate_s(model: nn.Module, inputs: list[torch.Tensor]) -> float:
         model(ids)
         if ids.device.type == "cuda":
             torch.cuda.synchronize(ids.device)
-    return TUNING_FORWARDS * (time.perf_counter() - start)
+    forwards = TUNING_FORWARDS * (time.perf_counter() - start)
+    if not compiled or ids.device.type == "cuda":
+        return forwards
+    layers = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", 30)
+    return forwards + TUNING_COMPILES * COMPILE_S_PER_LAYER * layers
 
 
 def tuned_tree(model: nn.Module, head: DraftHead, tokenizer: Any, runner: Any, compiled: bool,
@@ -139,9 +149,10 @@ def tuned_tree(model: nn.Module, head: DraftHead, tokenizer: Any, runner: Any, c
     cached = read_cached(path, key)
     if cached is None:
         inputs = calibration_inputs(tokenizer, device)
-        estimate = estimate_s(model, inputs)
+        estimate = estimate_s(model, inputs, compiled)
         print(f"[drafthead] tree='auto': tuning the draft tree for this machine once (about "
-              f"{max(1, round(estimate / 60))} min; cached in {path.parent})", file=sys.stderr, flush=True)
+              f"{max(1, round(estimate / 60))} min{', compiling its steps' if compiled else ''}; cached in "
+              f"{path.parent})", file=sys.stderr, flush=True)
         start = time.perf_counter()
         options, report = auto_tree(model, head, inputs, max_new_tokens=CALIBRATION_TOKENS, runner=runner,
                                     lookup_tokens=lookup_tokens, budget=budget, verbose=False, generator=generator)
