@@ -126,10 +126,13 @@ def _register_fakes(namespace: str, block: int) -> None:
 
 @functools.cache
 def kernels_available() -> bool:
-    """True once the kernels are built and loaded; builds them on the first call where the CPU has AVX512-BF16."""
+    """True once the kernels are built and loaded; builds them on the first call where the CPU has AVX512-BF16
+    (with AMX where it has that too)."""
     if "avx512_bf16" not in cpu_flags():  # (every CPU with AVX512-BF16 also has AVX512-VNNI, used for int8)
         return False
     flags = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]
+    if "amx_bf16" in cpu_flags():  # small_linear multiplies with AMX tiles (small_gemm.cpp)
+        flags += ["-mamx-tile", "-mamx-bf16"]
     if not _build("drafthead_cpu_kernels", _sources(SOURCES), flags, "AVX512-BF16"):
         return False
     _register_fakes("drafthead_kernels", BLOCK)

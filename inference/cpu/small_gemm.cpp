@@ -7,6 +7,11 @@
 // result does not depend on what else is in the batch.
 //
 // Layout of `packed`: (N/32, K/2, 32, 2) bf16; element [b, p, c, j] = W[32 b + c, 2 p + j].
+//
+// Built with AMX (-mamx-tile -mamx-bf16, on a CPU that has it), small_linear multiplies with AMX tiles instead
+// wherever K is a multiple of 32: the same packed blocks load as tiles of 16 k-pairs x 16 columns, and 16 rows cost
+// one pass over the weights (with vdpbf16ps, 16 rows cost twice and a half one row's time). Every row count takes
+// that path, so a row's sums still do not depend on the others'.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -17,6 +22,12 @@
 #include <vector>
 
 #include "small_linear.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define DRAFTHEAD_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -100,6 +111,70 @@ void multiply(const typename T::In* a, int64_t m_total, int64_t k, const typenam
   });
 }
 
+#ifdef DRAFTHEAD_AMX
+// Linux gives a process AMX's tile registers only once it asks for them (arch_prctl ARCH_REQ_XCOMP_PERM), for all
+// of its threads; false where the kernel refuses (then the vdpbf16ps path runs)
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return permitted;
+}
+
+struct TileConfig {  // ldtilecfg's 64-byte operand, palette 1
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0, 1: a block's two 16-column halves of sums (rows x 16 floats); 2: 32 k's of x (rows x 32 bf16);
+// 3, 4: the two halves of 16 k-pairs of the block (16 x 16 pairs); configured per thread
+void configure_tiles(int rows) {
+  TileConfig config;
+  for (int t = 0; t < 5; ++t) {
+    config.rows[t] = t < 3 ? rows : 16;
+    config.bytes_per_row[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// multiply()'s contract with AMX tiles, for K a multiple of 32: up to 16 rows a pass over the weights
+template <typename Finish>
+void multiply_amx(const uint16_t* a, int64_t m_total, int64_t k, const uint16_t* packed, int64_t blocks,
+                  Finish finish) {
+  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    alignas(64) float acc[16 * kBlock];
+    // full passes of 16 rows first, then one of the rows left (one tile configuration each)
+    const int64_t full = m_total / 16 * 16;
+    const int64_t passes[2][2] = {{0, full}, {full, m_total}};
+    for (const auto& [m_first, m_last] : passes) {
+      if (m_first == m_last) continue;
+      const int rows = static_cast<int>(std::min<int64_t>(16, m_last - m_first));
+      configure_tiles(rows);
+      for (int64_t blk = first; blk < last; ++blk) {
+        const uint16_t* b = packed + blk * k * kBlock;
+        for (int64_t m0 = m_first; m0 < m_last; m0 += 16) {
+          _tile_zero(0);
+          _tile_zero(1);
+          for (int64_t k0 = 0; k0 < k; k0 += 32) {
+            _tile_loadd(2, a + m0 * k + k0, k * 2);
+            _tile_loadd(3, b + k0 * kBlock, 4 * kBlock);  // 16 k-pairs of columns 0-15, 128 bytes apart
+            _tile_loadd(4, b + k0 * kBlock + kBlock, 4 * kBlock);  // of columns 16-31
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_dpbf16ps(1, 2, 4);
+          }
+          _tile_stored(0, acc, 4 * kBlock);
+          _tile_stored(1, acc + 16, 4 * kBlock);
+          for (int m = 0; m < rows; ++m) finish(acc + m * kBlock, m0 + m, blk * kBlock);
+        }
+      }
+      _tile_release();
+    }
+  });
+}
+#endif
+
 // ---- int8 weights (a draft's copy): y = x · Wᵀ with W quantised per output column to int8 and each row of x
 // quantised on the fly to int8 (per row), multiplied with AVX512-VNNI (vpdpbusd: 64 byte products a vector).
 // Half the bytes of bf16 weights to stream, and half the instructions: a drafting step at a few rows costs about
@@ -141,12 +216,19 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& packed,
   torch::Tensor out = output_rows(x, rows.size(0), m_total, n);
   const float* bias_p = data_or_null(bias_f);
   uint16_t* y = reinterpret_cast<uint16_t*>(out.data_ptr());
-  multiply<Bf16Dot>(reinterpret_cast<const uint16_t*>(rows.data_ptr()), m_total, k,
-                    reinterpret_cast<const uint16_t*>(packed.data_ptr()), packed.size(0),
-                    [&](const float* acc, int64_t m, int64_t col) {
-                      store_block_row(_mm512_loadu_ps(acc), _mm512_loadu_ps(acc + 16),
-                                      bias_p != nullptr ? bias_p + col : nullptr, y + m * n + col);
-                    });
+  const auto finish = [&](const float* acc, int64_t m, int64_t col) {
+    store_block_row(_mm512_loadu_ps(acc), _mm512_loadu_ps(acc + 16), bias_p != nullptr ? bias_p + col : nullptr,
+                    y + m * n + col);
+  };
+  const uint16_t* a = reinterpret_cast<const uint16_t*>(rows.data_ptr());
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+#ifdef DRAFTHEAD_AMX
+  if (k % 32 == 0 && amx_permitted()) {
+    if (m_total > 0) multiply_amx(a, m_total, k, w, packed.size(0), finish);
+    return out.view(out_shape(x, n));
+  }
+#endif
+  multiply<Bf16Dot>(a, m_total, k, w, packed.size(0), finish);
   return out.view(out_shape(x, n));
 }
 
