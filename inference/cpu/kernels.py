@@ -97,6 +97,16 @@ def _build(name: str, paths: list[Path], flags: list[str], what: str, timeout: f
     return True
 
 
+@functools.cache
+def source_digest() -> str:
+    """A short digest of every kernel source and header: what decoding costs depends on it (the tuning's cache
+    key carries it, so a changed kernel is tuned again)."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.cpp")) + sorted(Path(__file__).parent.glob("*.h")):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def _sources(names: tuple[str, ...]) -> list[Path]:
     return [Path(__file__).with_name(name) for name in names]
 

@@ -21,6 +21,7 @@ from drafthead.hardware import cpu_flags
 from drafthead.paths import cache_dir
 from drafthead.utils import atomic_write_json
 
+from ..cpu.kernels import source_digest
 from ..tree import TreeOptions
 from .budget import FULL, QUICK, TuningBudget, auto_tree
 
@@ -79,13 +80,15 @@ def fingerprint(module: nn.Module, config: Any) -> str:
 
 def cache_key(model: nn.Module, head: DraftHead, runner: Any, compiled: bool, lookup_tokens: int,
               budget: TuningBudget) -> dict:
-    """The identity of a tuning: (target, head, machine, dtype) and the settings that change the costs."""
+    """The identity of a tuning: (target, head, machine, dtype) and the settings that change the costs (the
+    runner, compile, the CPU kernels' sources, torch)."""
     ref = next(model.parameters())
     target_config = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}
     return {"format": FORMAT, "target": fingerprint(model, target_config),
             "head": fingerprint(head, dataclasses.asdict(head.config)), "machine": machine(ref.device),
             "dtype": str(ref.dtype).removeprefix("torch."), "runner": type(runner).__name__, "compile": compiled,
-            "lookup_tokens": lookup_tokens, "torch": torch.__version__, "budget": repr(budget)}
+            "lookup_tokens": lookup_tokens, "torch": torch.__version__, "kernels": source_digest(),
+            "budget": repr(budget)}
 
 
 def cache_file(key: dict) -> Path:
