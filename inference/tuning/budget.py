@@ -240,17 +240,17 @@ def _rates(gens: dict, inputs: list[torch.Tensor], max_new_tokens: int, rounds: 
             for key, runs in stats.items()}
 
 
-def measure_lookup_branch(model: nn.Module, head: DraftHead, runner, tree: TreeOptions, lookup_tokens: int,
-                          inputs: list[torch.Tensor], max_new_tokens: int, rounds: int = TRIAL_ROUNDS, *,
-                          generator: Callable[..., Any]) -> dict:
+def measure_lookup_branch(model: nn.Module, head: DraftHead, runner, tree: TreeOptions,
+                          lookup_tokens: tuple[int, ...], inputs: list[torch.Tensor], max_new_tokens: int,
+                          rounds: int = TRIAL_ROUNDS, *, generator: Callable[..., Any]) -> dict[int, float]:
     """Decoding tokens/s (new tokens over decode time, prefill excluded, all prompts and rounds together) of the
-    head's `tree` alone (False) and with the prompt-lookup branch of up to `lookup_tokens` tokens (True), the two
-    taking turns on `runner`. The branch's gain is real tokens, not a replay: it accepts copies of the context,
-    which the head's recorded trees know nothing of."""
+    head's `tree` alone (key 0) and with the prompt-lookup branch of up to n tokens (key n, for each n of
+    `lookup_tokens`), all taking turns on `runner`. The branch's gain is real tokens, not a replay: it accepts
+    copies of the context, which the head's recorded trees know nothing of."""
     compiled = getattr(runner, "compiled", False)
-    gens = {hybrid: generator(model, head, tree=tree, runner=runner, compile=compiled, hybrid=hybrid,
-                              lookup_tokens=lookup_tokens) for hybrid in (False, True)}
-    return {hybrid: rate["tokens_per_s"] for hybrid, rate in _rates(gens, inputs, max_new_tokens, rounds).items()}
+    gens = {n: generator(model, head, tree=tree, runner=runner, compile=compiled, hybrid=n > 0,
+                         lookup_tokens=max(n, 1)) for n in (0, *lookup_tokens)}
+    return {n: rate["tokens_per_s"] for n, rate in _rates(gens, inputs, max_new_tokens, rounds).items()}
 
 
 def choose_draft_vocab(model: nn.Module, heads: dict[int, DraftHead], runner, tree: TreeOptions,
@@ -356,7 +356,8 @@ def auto_tree(
     lookup_tokens > 0: the chosen tree then decodes once more with the prompt-lookup branch of up to that many
     tokens (drafters/lookup.py) against itself alone, and report["lookup_branch"]["chosen"] says whether
     the branch was measured at least as fast (then generate with hybrid=True and report["lookup_branch"]["tokens"]:
-    on a static runner the branch gets at most what the largest verify bucket leaves beside the tree).
+    on a static runner the faster of the branch that fills the tree's next bucket and the one of what the largest
+    bucket leaves beside the tree, each at most lookup_tokens).
     vocab_heads ({draft vocabulary size: head pruned to it}): the chosen tree then decodes with each
     (choose_draft_vocab), before the lookup branch is tried with the fastest; report["draft_vocab"]["chosen"] names
     it. The tree itself is tuned with `head`. `budget`: how much to measure (FULL, or QUICK for a bounded first
@@ -428,17 +429,23 @@ def auto_tree(
         draft_vocab = {"chosen": size, "trial": {str(k): v for k, v in rates.items()}}
     lookup_branch = None
     if options is not None and lookup_tokens > 0:
-        # the branch's nodes come on top of the tree's: a static runner's largest bucket bounds the two together
+        # the branch's nodes come on top of the tree's: a static runner's largest bucket bounds the two together,
+        # and a branch that fits the tree's next bucket may beat a longer one verified in a costlier bucket
         buckets = getattr(runner, "buckets", None)
-        branch_tokens = min(lookup_tokens, buckets[-1] - options.tree_size) if buckets else lookup_tokens
-        if branch_tokens < 1:
+        counts = (lookup_tokens,)
+        if buckets:
+            above = [b - options.tree_size for b in buckets if b > options.tree_size]
+            counts = tuple(sorted({min(lookup_tokens, n) for n in above[:1] + above[-1:]}))
+        if not counts:
             lookup_branch = {"tokens": 0, "chosen": False, "tokens_per_s": None,
                              "skipped": f"the tree fills the runner's largest verify bucket ({buckets[-1]})"}
         else:
-            rates = measure_lookup_branch(model, head, runner, options, branch_tokens, calibration_inputs,
-                                          max_new_tokens, rounds=budget.rounds, generator=generator)
-            lookup_branch = {"tokens": branch_tokens, "chosen": rates[True] >= rates[False],
-                             "tokens_per_s": {"tree_alone": rates[False], "with_lookup": rates[True]}}
+            rates = measure_lookup_branch(model, head, runner, options, counts, calibration_inputs, max_new_tokens,
+                                          rounds=budget.rounds, generator=generator)
+            best = max(counts, key=rates.__getitem__)
+            lookup_branch = {"tokens": best, "chosen": rates[best] >= rates[0],
+                             "tokens_per_s": {"tree_alone": rates[0], "with_lookup": rates[best]},
+                             "trial": {str(n): rates[n] for n in counts}}
     gpu = TREE_PRESETS["gpu"]
     gpu_tree = None  # the GPU preset's prediction, where the runner verifies a tree that large
     if gpu.total_tokens <= max(verify_ms) and (gpu.depth, gpu.top_k) in draft_ms:
