@@ -25,15 +25,21 @@ from ..cpu.kernels import source_digest
 from ..tree import TreeOptions
 from .budget import FULL, QUICK, TuningBudget, auto_tree
 
-# generic chat requests (writing, coding, reasoning) that the tuner drafts and decodes: no asset needed
+# generic chat requests that the tuner drafts and decodes (no asset needed): writing, explaining with code, and
+# editing a given text, where answers copy from the context (the prompt-lookup branch's case: without such a
+# request the tuning saw nothing to copy and dropped a branch that MT-bench's requests gained 1.5x from)
 CALIBRATION_PROMPTS = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain in simple terms how a hash table works, with a small Python example.",
+    "Rewrite this paragraph in a formal tone, keeping its facts: The new library opened last week downtown and "
+    "honestly it is great. It has three floors, a cafe, and loads of computers you can use for free. Kids can join "
+    "a reading club on Saturdays, and there is a quiet room upstairs for people who need to study or work.",
 )
 CALIBRATION_TOKENS = 64
 # the tuning of the real SmolLM2-135M target (fp32, AVX2 CPU, QUICK budget) took about this many times one target
-# forward over a 64-token chunk: the estimate printed before tuning
-TUNING_FORWARDS = 200
+# forward over a 64-token chunk with two calibration prompts (a third decodes half as much again): the estimate
+# printed before tuning
+TUNING_FORWARDS = 300
 # compiled (a CPU's tree="auto" compiles by default), the tuning compiles about this many step shapes (its verify
 # buckets, the trial trees' drafting steps, the prefill chunk), each for about this many seconds a decoder layer
 # (SmolLM2-135M's 30 layers: 35 s a shape on a Sapphire Rapids Xeon, 80-130 s on a Zen 3 EPYC, bf16 and fp32)
