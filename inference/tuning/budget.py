@@ -70,6 +70,11 @@ QUICK = TuningBudget(calibration=TreeOptions(depth=6, top_k=8, total_tokens=32),
 # a tree with a larger verify bucket must beat the best smaller one by this factor in the trial: three short
 # calibration prompts rated larger trees a few per cent ahead that then decoded slower (docs/results/HISTORY.md)
 LARGER_TREE_MARGIN = 1.10
+# the prompt-lookup branch is kept unless it measured slower than the tree alone by more than this factor: it adds
+# nodes only where the context holds a match, so where a few calibration prompts give it little to copy it costs a
+# few per cent, and where requests copy from their context (editing, extraction, code) it gained 1.5x on MT-bench
+# (docs/benchmarks.md)
+LOOKUP_BRANCH_MARGIN = 0.97
 
 
 @dataclass
@@ -355,7 +360,7 @@ def auto_tree(
     when plain decoding on the same runner was measured at least as fast as every tree in the trial.
     lookup_tokens > 0: the chosen tree then decodes once more with the prompt-lookup branch of up to that many
     tokens (drafters/lookup.py) against itself alone, and report["lookup_branch"]["chosen"] says whether
-    the branch was measured at least as fast (then generate with hybrid=True and report["lookup_branch"]["tokens"]:
+    the branch was measured at least LOOKUP_BRANCH_MARGIN as fast (then generate with hybrid=True and report["lookup_branch"]["tokens"]:
     on a static runner the faster of the branch that fills the tree's next bucket and the one of what the largest
     bucket leaves beside the tree, each at most lookup_tokens).
     vocab_heads ({draft vocabulary size: head pruned to it}): the chosen tree then decodes with each
@@ -443,7 +448,7 @@ def auto_tree(
             rates = measure_lookup_branch(model, head, runner, options, counts, calibration_inputs, max_new_tokens,
                                           rounds=budget.rounds, generator=generator)
             best = max(counts, key=rates.__getitem__)
-            lookup_branch = {"tokens": best, "chosen": rates[best] >= rates[0],
+            lookup_branch = {"tokens": best, "chosen": rates[best] >= LOOKUP_BRANCH_MARGIN * rates[0],
                              "tokens_per_s": {"tree_alone": rates[0], "with_lookup": rates[best]},
                              "trial": {str(n): rates[n] for n in counts}}
     gpu = TREE_PRESETS["gpu"]
