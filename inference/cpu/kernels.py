@@ -68,9 +68,14 @@ def build_folder(name: str, paths: list[Path], flags: list[str]) -> Path:
     from torch.utils.cpp_extension import _get_build_directory
 
     digest = hashlib.sha256(repr((_cflags(flags), torch.__version__, str(paths[0].parent.resolve()))).encode())
-    for path in sorted(paths) + sorted(paths[0].parent.glob("*.h")):
-        digest.update(path.name.encode() + path.read_bytes())
+    _add_files(digest, sorted(paths) + sorted(paths[0].parent.glob("*.h")))
     return Path(_get_build_directory(f"{name}-{digest.hexdigest()[:12]}", verbose=False))
+
+
+def _add_files(digest, paths: list[Path]) -> None:
+    """Feed each file's name and bytes to `digest`."""
+    for path in paths:
+        digest.update(path.name.encode() + path.read_bytes())
 
 
 def _build(name: str, paths: list[Path], flags: list[str], what: str, timeout: float | None = None) -> bool:
@@ -102,8 +107,7 @@ def source_digest() -> str:
     """A short digest of every kernel source and header: what decoding costs depends on it (the tuning's cache
     key carries it, so a changed kernel is tuned again)."""
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.cpp")) + sorted(Path(__file__).parent.glob("*.h")):
-        digest.update(path.name.encode() + path.read_bytes())
+    _add_files(digest, sorted(Path(__file__).parent.glob("*.cpp")) + sorted(Path(__file__).parent.glob("*.h")))
     return digest.hexdigest()[:12]
 
 

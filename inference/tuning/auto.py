@@ -26,8 +26,8 @@ from ..tree import TreeOptions
 from .budget import FULL, QUICK, TuningBudget, auto_tree
 
 # generic chat requests that the tuner drafts and decodes (no asset needed): writing, explaining with code, and
-# editing a given text, where answers copy from the context (the prompt-lookup branch's case: without such a
-# request the tuning saw nothing to copy and dropped a branch that MT-bench's requests gained 1.5x from)
+# editing a given text, whose answer copies from its context, so that the prompt-lookup branch has something to
+# gain in the tuning too (docs/results/api_defaults_vs_bench_auto_mtbench80_spr_amx.json)
 CALIBRATION_PROMPTS = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain in simple terms how a hash table works, with a small Python example.",
@@ -41,8 +41,8 @@ CALIBRATION_TOKENS = 64
 # printed before tuning
 TUNING_FORWARDS = 300
 # compiled (a CPU's tree="auto" compiles by default), the tuning compiles about this many step shapes (its verify
-# buckets, the trial trees' drafting steps, the prefill chunk), each for about this many seconds a decoder layer
-# (SmolLM2-135M's 30 layers: 35 s a shape on a Sapphire Rapids Xeon, 80-130 s on a Zen 3 EPYC, bf16 and fp32)
+# buckets, the trial trees' drafting steps, the prefill chunk), each for about this many seconds a decoder layer:
+# a compile's time grows with the graph, and the measured times differ ~3x between CPU kinds (docs/history.md)
 TUNING_COMPILES = 9
 COMPILE_S_PER_LAYER = 2.0
 FORMAT = 1  # bumped when the cached file's meaning changes

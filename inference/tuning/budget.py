@@ -71,9 +71,9 @@ QUICK = TuningBudget(calibration=TreeOptions(depth=6, top_k=8, total_tokens=32),
 # calibration prompts rated larger trees a few per cent ahead that then decoded slower (docs/results/HISTORY.md)
 LARGER_TREE_MARGIN = 1.10
 # the prompt-lookup branch is kept unless it measured slower than the tree alone by more than this factor: it adds
-# nodes only where the context holds a match, so where a few calibration prompts give it little to copy it costs a
-# few per cent, and where requests copy from their context (editing, extraction, code) it gained 1.5x on MT-bench
-# (docs/benchmarks.md)
+# nodes only where the context holds a match, so it costs little where calibration prompts give it nothing to
+# copy and gains much where requests copy from their context
+# (docs/results/api_defaults_vs_bench_auto_mtbench80_spr_amx.json)
 LOOKUP_BRANCH_MARGIN = 0.97
 
 
@@ -360,9 +360,9 @@ def auto_tree(
     when plain decoding on the same runner was measured at least as fast as every tree in the trial.
     lookup_tokens > 0: the chosen tree then decodes once more with the prompt-lookup branch of up to that many
     tokens (drafters/lookup.py) against itself alone, and report["lookup_branch"]["chosen"] says whether
-    the branch was measured at least LOOKUP_BRANCH_MARGIN as fast (then generate with hybrid=True and report["lookup_branch"]["tokens"]:
-    on a static runner the faster of the branch that fills the tree's next bucket and the one of what the largest
-    bucket leaves beside the tree, each at most lookup_tokens).
+    the branch was measured at least LOOKUP_BRANCH_MARGIN as fast (then generate with hybrid=True and
+    report["lookup_branch"]["tokens"]: on a static runner the faster of the branch that fills the tree's next
+    bucket and the one of what the largest bucket leaves beside the tree, each at most lookup_tokens).
     vocab_heads ({draft vocabulary size: head pruned to it}): the chosen tree then decodes with each
     (choose_draft_vocab), before the lookup branch is tried with the fastest; report["draft_vocab"]["chosen"] names
     it. The tree itself is tuned with `head`. `budget`: how much to measure (FULL, or QUICK for a bounded first
