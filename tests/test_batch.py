@@ -321,40 +321,47 @@ def test_batch_of_one_is_a_batch_whatever_its_padding():
 
 def test_batch_sampling_follows_the_target_per_row():
     """Chi-square per prompt: the joint law of each prompt's first two sampled tokens, 3 different prompts in one
-    batch, self-speculation (draft q != p), an oracle head and a draft model, against the target's exact law (2,000 draws per
-    prompt). Each batch holds every prompt `copies` times (rows in the order p0 p1 p2 p0 p1 p2 ...), so one
+    batch, against the target's exact law (2,000 draws per prompt), for self-speculation (draft q != p), an oracle
+    head, a draft model and prompt lookup alone (point-mass drafts, on prompts whose last token occurred before, so
+    that it drafts). Each batch holds every prompt `copies` times (rows in the order p0 p1 p2 p0 p1 p2 ...), so one
     verification samples 3 x copies rows; a draw shared between rows would repeat samples and fail the test."""
     params = SamplingParams(True, 0.7, 0, 0.9)
     target = sampling_target()
     rows = [torch.tensor([[5, 9, 4]]), torch.tensor([[7, 2]]), torch.tensor([[3, 3, 12, 8]])]
+    with torch.inference_mode():  # a, g(a), g(g(a)), a: the lookup copies what the near-bigram target says next
+        bigram = target(torch.arange(16)[:, None]).logits[:, -1].argmax(-1)
+    copy_rows = [torch.tensor([[a, int(bigram[a]), int(bigram[bigram[a]]), a]]) for a in (5, 7, 11)]
+    cases = [(SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=1, window=2, gamma=2)), rows),
+             (SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=1, window=2, gamma=2, vocab=torch.tensor(
+                 [2, 3, 5, 6, 8, 9, 11, 12, 14]))), rows),
+             (SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=1, window=2, gamma=2, weights="int8")),
+              rows),
+             # the lookup branch's nodes are point masses beside the self-draft's sampled chain
+             (SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=1, window=2, gamma=2), hybrid=True,
+                                   lookup_tokens=3, lookup_nodes=2), rows),
+             (SpeculativeGenerator(target, oracle_head(target).attach_target(target), tree=TREES["wide"]), rows),
+             (SpeculativeGenerator(target, DraftModelDrafter(tiny_model("llama", seed=4, vocab_size=16, num_layers=2),
+                                                             16, gamma=2)), rows),
+             (SpeculativeGenerator(target, prompt_lookup(2)), copy_rows)]
     draws, copies = 2000, 50
-    ids, mask = left_padded(rows * copies)
-    laws = [first_two_law(target, r, params) for r in rows]
-    for gen in (SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=1, window=2, gamma=2)),
-                SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=1, window=2, gamma=2,
-                                                                  vocab=torch.tensor([2, 3, 5, 6, 8, 9, 11, 12, 14]))),
-                SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=1, window=2, gamma=2, weights="int8")),
-                # the lookup branch's nodes are point masses beside the self-draft's sampled chain
-                SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=1, window=2, gamma=2), hybrid=True,
-                                     lookup_tokens=3, lookup_nodes=2),
-                SpeculativeGenerator(target, oracle_head(target).attach_target(target), tree=TREES["wide"]),
-                SpeculativeGenerator(target, DraftModelDrafter(tiny_model("llama", seed=4, vocab_size=16, num_layers=2),
-                                                               16, gamma=2))):
+    for gen, prompts in cases:
+        ids, mask = left_padded(prompts * copies)
+        laws = [first_two_law(target, r, params) for r in prompts]
         g = torch.Generator().manual_seed(4)
-        counts = [{} for _ in rows]
+        counts = [{} for _ in prompts]
         accepted = 0
         for _ in range(draws // copies):
             out = gen.generate(ids, attention_mask=mask, max_new_tokens=2, temperature=0.7, top_p=0.9, top_k=0,
                                eos_token_id=[], generator=g)
             for j in range(ids.shape[0]):
-                key, seen = tuple(out.sequences[j, ids.shape[1]:].tolist()), counts[j % len(rows)]
+                key, seen = tuple(out.sequences[j, ids.shape[1]:].tolist()), counts[j % len(prompts)]
                 seen[key] = seen.get(key, 0) + 1
             assert out.stats.rows_steps == [1] * ids.shape[0]  # one verification a row: its first step
             accepted += sum(a > 1 for a in out.stats.accept_lengths)
-        assert accepted > draws // 2  # drafts were accepted often: the sampling rule was exercised
-        for i in range(len(rows)):
+        assert accepted > draws // 2, gen.drafter.name  # drafts were accepted often: the sampling rule was exercised
+        for i in range(len(prompts)):
             assert sum(counts[i].values()) == draws
-            assert chi_square_p(counts[i], laws[i], draws) > 1e-3, i
+            assert chi_square_p(counts[i], laws[i], draws) > 1e-3, (gen.drafter.name, i)
 
 
 def test_streaming_draft_kv_is_constant_in_context_length():

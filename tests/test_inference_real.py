@@ -125,11 +125,14 @@ def test_smollm2_every_drafter_greedy_lossless(smollm2, smollm2_path, head_dir, 
 @pytest.mark.real
 def test_smollm2_batch_greedy_lossless(smollm2, smollm2_path, head_dir):
     """fp32, 4 chat prompts of different lengths in one left-padded batch: plain batched decoding, head trees (full
-    and windowed KV) and StreamingLLM self-speculation (drafting with its own weights, and with int8 copies, also
-    with the prompt-lookup branch) each give every row exactly its own greedy output."""
+    and windowed KV), StreamingLLM self-speculation (drafting with its own weights, and with int8 copies, also
+    with the prompt-lookup branch), prompt lookup alone and a draft model each give every row exactly its own
+    greedy output."""
     from test_batch import left_padded
     from transformers import AutoTokenizer
 
+    from inference.drafters.draft_model import DraftModelDrafter
+    from inference.drafters.lookup import prompt_lookup
     from inference.drafters.self_draft import StreamingSelfDrafter
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
@@ -145,7 +148,10 @@ def test_smollm2_batch_greedy_lossless(smollm2, smollm2_path, head_dir):
                                                                             weights="int8")),
             "self_int8_lookup": SpeculativeGenerator(
                 smollm2, StreamingSelfDrafter(smollm2, sink=4, window=16, gamma=3, weights="int8"), hybrid=True,
-                lookup_tokens=4, lookup_nodes=1)}
+                lookup_tokens=4, lookup_nodes=1),
+            "lookup": SpeculativeGenerator(smollm2, prompt_lookup(4)),
+            "draft_model": SpeculativeGenerator(smollm2, DraftModelDrafter(shallow_copy_of(smollm2, 8),
+                                                                           smollm2.config.vocab_size, gamma=3))}
     for kv in ("full", "streaming"):
         gens[f"head_{kv}"] = SpeculativeGenerator.from_pretrained(smollm2, head_dir, tree="4,4,8", draft_kv=kv,
                                                                   window=16)
