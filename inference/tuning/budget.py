@@ -209,9 +209,13 @@ def measure_draft_ms(runner, head: DraftHead, prefix: torch.Tensor, trees: list[
 
 
 def _decode_in_turns(gens: dict, inputs: list[torch.Tensor], max_new_tokens: int, rounds: int) -> dict:
-    """{key: [GenerationStats]} of real greedy generations of `inputs` by each generator: one untimed generation
-    each first (compiles), then the generators take turns prompt by prompt for `rounds` rounds."""
+    """{key: [GenerationStats]} of real greedy generations of `inputs` by each generator: each first warms up
+    untimed (every verify bucket its drafter may fill compiled, then one generation), then the generators take turns
+    prompt by prompt for `rounds` rounds. A bucket that only some prompt reaches (a lookup branch that finds a long
+    match) would otherwise compile inside the timed decoding."""
+    longest = max(ids.shape[1] for ids in inputs) + max_new_tokens
     for gen in gens.values():
+        gen.warmup(longest)
         gen.generate(inputs[0], max_new_tokens=max_new_tokens)
     stats = {key: [] for key in gens}
     for _ in range(rounds):
