@@ -52,6 +52,7 @@ from .switch import SpeculationSwitch
 from .tree import DraftTree, TreeOptions, tree_options
 
 # a one-row generation of at least this many tokens that decodes below SLOW_MARGIN x the tuning's plain rate warns
+# (the generator's first generation is not judged: it compiles its steps)
 SLOW_CHECK_TOKENS = 32
 SLOW_MARGIN = 0.95
 
@@ -112,6 +113,7 @@ class SpeculativeGenerator:
         self.options: TreeOptions | None = None
         self.tuned = None  # tree="auto": the tuning's choice and measured rates (tuning/auto.py)
         self._warned_slow = False
+        self._judged_generations = 0  # one-row generations _warn_if_slow has seen
         if draft_kv not in ("full", "streaming"):
             raise ValueError(f"draft_kv must be 'full' or 'streaming', got {draft_kv!r}")
         if tree == "auto" and isinstance(draft, DraftHead):
@@ -453,8 +455,11 @@ class SpeculativeGenerator:
 
     def _warn_if_slow(self, stats: GenerationStats) -> None:
         """Warn (once) when a one-row generation decoded slower than the plain decoding the tuning measured here;
-        short generations are too noisy to tell."""
+        short generations are too noisy to tell, and the first one pays for compiling the decoding steps."""
         if self.tuned is None or self.plain or self._warned_slow or stats.new_tokens < SLOW_CHECK_TOKENS:
+            return
+        self._judged_generations += 1
+        if self._judged_generations == 1:
             return
         rate = stats.new_tokens / max(stats.total_time_s - stats.prefill_time_s, 1e-9)
         if rate < SLOW_MARGIN * self.tuned.plain_tokens_per_s:
