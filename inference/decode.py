@@ -122,7 +122,7 @@ def decode(runner, drafter: Drafter, input_ids: torch.Tensor, attention_mask: to
             tree = DraftTree.chain(roots)
         sync()
         t1 = time.perf_counter()
-        logits, features, greedy = runner.verify(tree.tokens, tree.depths, tree.ancestors)
+        logits, features, greedy = runner.verify(tree.tokens, tree.depths, tree.ancestors, drafter.tree_size)
         if params.do_sample:
             accepted = verify_sampling_rows(target_probs(logits, params), tree, generator)
         else:

@@ -225,15 +225,16 @@ def test_generate_many_equals_each_prompt_alone(arch):
 def test_compiled_batch_keeps_one_graph_as_rows_leave():
     """Compiled self-draft and compiled target verify: rows stop at different steps and leave the batch (the rows
     still decoding move forward in the same buffers, attention skips the rest), the draft and verify steps keep
-    their shapes (one graph each, no recompile), and every row still ends exactly as it does alone. Two decoder
-    layers: each layer adds graph to build."""
+    their shapes (one graph each, no recompile), and every row still ends exactly as it does alone. The batch's
+    5-token trees are verified as 5 tokens, not padded to the next bucket (8). Two decoder layers: each layer adds
+    graph to build."""
     target = near_bigram_target("llama", num_layers=2)
     rows = row_prompts(target.config.vocab_size, seed=3)
     alone = [target.generate(r, do_sample=False, max_new_tokens=30, eos_token_id=None)[0, r.shape[1]:].tolist()
              for r in rows]
     ends = {e: [a.index(e) + 1 if e in a else 30 for a in alone] for e in alone[0][:12]}
     eos = next(e for e, end in ends.items() if sum(n < 20 for n in end) >= 2 and max(end) == 30)  # 2 rows stop early
-    drafter = StreamingSelfDrafter(target, sink=2, window=4, gamma=3, compile=True)
+    drafter = StreamingSelfDrafter(target, sink=2, window=4, gamma=4, compile=True)
     gen = SpeculativeGenerator(target, drafter, compile=True)
     for _ in range(2):
         assert_rows_match(gen, target, rows, max_new=30, eos=eos)
@@ -241,9 +242,9 @@ def test_compiled_batch_keeps_one_graph_as_rows_leave():
         assert runner.batch < len(rows) and runner.rows == len(rows)  # finished rows left; the buffers kept shape
         assert drafter.alive < len(rows) and drafter.kv_shape[0] == len(rows)
     assert drafter.batches == {len(rows)}
-    assert sorted(n for _, _, n in runner.shapes) == [4] and runner.compiled
+    assert sorted(n for _, _, n in runner.shapes) == [5] and runner.compiled
     for pick in ([0, 1], [0, 1, 2, 3], [1, 3]):  # other batch sizes and back: new buffers, new graphs
-        step = runner._steps[4]
+        step = runner._steps[5]
         assert cached_graphs(step)
         assert_rows_match(gen, target, [rows[i] for i in pick], max_new=30, eos=eos)
         assert not cached_graphs(step)  # the replaced buffers' graphs were freed with them

@@ -8,9 +8,11 @@ of a single tensor: kv.static_cache):
 
 - prefill() takes left-padded prompts (B, T) with their attention mask: row i's tokens start at slot start_i; the
   prompt runs in chunks under SDPA over the used prefix of the buffers.
-- verify() pads every row's tree to the next size in `buckets` (padded nodes attend only to themselves and are never
-  kept), so each bucket is one shape: one compiled graph (one CUDA graph) per bucket and buffer shape, never a
-  recompile while generating. The trees are written at the same slots W = max_i length_i with per-row positions
+- verify() of one row pads its tree to the next size in `buckets` (padded nodes attend only to themselves and are
+  never kept), so each bucket is one shape: one compiled graph (one CUDA graph) per bucket and buffer shape, never a
+  recompile while generating. A batch pads to its drafter's largest tree instead where that is smaller than the
+  bucket: one row's step streams the weights whatever its few tokens, a batch's costs its rows x tokens of work
+  (docs/history.md, the 8k x 8 cell). The trees are written at the same slots W = max_i length_i with per-row positions
   (length_i - start_i + depth) and a per-row 4D mask: the row's committed range plus its tree's ancestor pattern.
 - commit() copies each row's accepted nodes down to its own length (one gather + one scatter for every layer and
   row at once), so a row's committed tokens stay contiguous and the hole never outlives a step.
@@ -305,12 +307,15 @@ class StaticRunner:
         return logits[:, -1], (torch.cat(features, dim=1) if features[0] is not None else None)
 
     @torch.inference_mode()
-    def verify(self, tokens: torch.Tensor, depths: torch.Tensor,
-               ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def verify(self, tokens: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor,
+               largest: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """One forward over every row's tree: tokens (B, n) root first; depths (B, n); ancestors (B, n, n) bool,
-        padded to the next bucket. Returns (logits (B, n, V), features (B, n, F) or None, argmax (B, n))."""
+        padded to the next bucket, or for a batch to `largest` (the drafter's largest tree) where that is smaller.
+        Returns (logits (B, n, V), features (B, n, F) or None, argmax (B, n))."""
         b, n = tokens.shape
         size = bucket_for(n, self.buckets)
+        if self.rows > 1 and n <= largest < size:
+            size = largest
         w = max(self.lengths)
         if w + size > self.scratch:
             raise RuntimeError(f"rows of up to {w} slots + a {size}-token tree exceed the KV buffers "
