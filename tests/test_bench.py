@@ -100,12 +100,19 @@ def test_bench_measures_every_drafter_in_one_run(tmp_path):
 def test_bench_measures_the_library_defaults_beside_its_own_methods(tmp_path, monkeypatch):
     """--methods api_default: SpeculativeGenerator.from_pretrained(target, head) with no other argument (the tree
     tuned, compiled and cached under DRAFTHEAD_CACHE), interleaved with the others and greedy-identical to generate
-    where the defaults' dtype is the bench's float32 (bf16 outputs may differ at near-ties)."""
+    where the defaults' dtype is the bench's float32 (bf16 outputs may differ at near-ties). The tuner's search is
+    stubbed with a small tree (it is tested in test_inference_defaults.py and test_budget.py; here it would compile
+    every trial shape); the generator it configures compiles and runs for real."""
     from transformers import AutoModelForCausalLM
 
     from inference.bench import build_parser, run_bench
+    from inference.tree import TreeOptions
+    from inference.tuning import auto
 
     monkeypatch.setenv("DRAFTHEAD_CACHE", str(tmp_path / "cache"))
+    report = {"lookup_branch": None, "predicted": {"tokens_per_s": 12.0}, "predicted_plain": {"tokens_per_s": 10.0}}
+    calls = []
+    monkeypatch.setattr(auto, "auto_tree", lambda *a, **k: calls.append(1) or (TreeOptions(2, 2, 3), report))
     target_dir = save_tiny_target(tmp_path / "target")
     save_head(tiny_head(AutoModelForCausalLM.from_pretrained(target_dir), draft_vocab_size=200), tmp_path / "h")
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": w}) + "\n" for w in ["a b a b a", "c d e"]))
@@ -119,7 +126,7 @@ def test_bench_measures_the_library_defaults_beside_its_own_methods(tmp_path, mo
     assert len(api_rows) == 2
     if auto_dtype("cpu") == torch.float32:
         assert all(row["greedy_match"] for row in api_rows)
-    assert list((tmp_path / "cache" / "tuning").glob("tree-*.json"))  # the defaults tuned the tree, and cached it
+    assert calls == [1] and list((tmp_path / "cache" / "tuning").glob("tree-*.json"))  # tuned once, and cached
 
 
 def test_auto_lookup_branch_makes_the_speculative_method_hybrid(tmp_path):
