@@ -30,6 +30,11 @@ def verify_greedy(tree: DraftTree, greedy: torch.Tensor) -> Accepted:
     """greedy (B, n): the target's argmax at every node."""
     b, n = tree.tokens.shape
     device = greedy.device
+    if n == 1:  # the root alone (plain decoding): kept, and the target's token follows; a few ops, not twenty
+        emitted = greedy[:, :1]
+        host = emitted[:, 0].tolist()  # the step's one transfer to the host
+        return Accepted(torch.zeros_like(emitted), emitted, torch.ones(b, dtype=torch.long, device=device),
+                        [[0] for _ in range(b)], [[t] for t in host])
     tokens = tree.tokens
     correct = tokens == greedy.gather(1, tree.parents.clamp_min(0))
     correct[:, 0] = True

@@ -348,12 +348,14 @@ class StaticRunner:
         """Row i keeps the nodes accepted.paths[i] (indices into its last verified tree, root first) after its
         committed tokens."""
         paths, counts = accepted.paths, accepted.counts
-        j = torch.arange(paths.shape[1], device=self.device)
-        valid = j[None, :] < counts[:, None]
-        src = torch.where(valid, self.tree_at + paths, self.scratch)
-        dst = torch.where(valid, self.length[:, None] + j, self.scratch)
-        kv = self.cache.drafthead_kv  # (2, layers, rows, kv_heads, slots, head_dim): all layers (static_cache)
-        rows = torch.arange(self.batch, device=self.device)[:, None]
-        kv[:, :, rows, :, dst] = kv[:, :, rows, :, src]
+        # nothing to move where every row's tree starts at its length and it kept a prefix of it (plain steps, chains)
+        if not all(self.tree_at == n and p == list(range(len(p))) for n, p in zip(self.lengths, accepted.host_paths)):
+            j = torch.arange(paths.shape[1], device=self.device)
+            valid = j[None, :] < counts[:, None]
+            src = torch.where(valid, self.tree_at + paths, self.scratch)
+            dst = torch.where(valid, self.length[:, None] + j, self.scratch)
+            kv = self.cache.drafthead_kv  # (2, layers, rows, kv_heads, slots, head_dim): all layers (static_cache)
+            rows = torch.arange(self.batch, device=self.device)[:, None]
+            kv[:, :, rows, :, dst] = kv[:, :, rows, :, src]
         self.length = self.length + counts
         self.lengths = [n + len(p) for n, p in zip(self.lengths, accepted.host_paths)]
