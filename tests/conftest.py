@@ -131,6 +131,16 @@ def save_tiny_target(folder: Path, arch: str = "llama", seed: int = 0) -> Path:
     return folder
 
 
+def stub_tree_search(monkeypatch, options, calls: list) -> None:
+    """tree="auto" without its search (slow to compile; tuning/auto.py and its own tests cover it): every tuning
+    chooses `options`, predicted at 12 tokens/s against 10 for plain decoding, and appends its keyword arguments to
+    `calls`."""
+    from inference.tuning import auto
+
+    report = {"lookup_branch": None, "predicted": {"tokens_per_s": 12.0}, "predicted_plain": {"tokens_per_s": 10.0}}
+    monkeypatch.setattr(auto, "auto_tree", lambda *a, **k: calls.append(k) or (options, report))
+
+
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory) -> Path:
     """Session-wide tiny Llama target folder (model + ChatML tokenizer)."""

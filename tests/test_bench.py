@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny import tiny_head
 
-from conftest import save_tiny_target
+from conftest import save_tiny_target, stub_tree_search
 from drafthead import save_head
 from drafthead.hardware import auto_dtype
 
@@ -107,12 +107,10 @@ def test_bench_measures_the_library_defaults_beside_its_own_methods(tmp_path, mo
 
     from inference.bench import build_parser, run_bench
     from inference.tree import TreeOptions
-    from inference.tuning import auto
 
     monkeypatch.setenv("DRAFTHEAD_CACHE", str(tmp_path / "cache"))
-    report = {"lookup_branch": None, "predicted": {"tokens_per_s": 12.0}, "predicted_plain": {"tokens_per_s": 10.0}}
     calls = []
-    monkeypatch.setattr(auto, "auto_tree", lambda *a, **k: calls.append(1) or (TreeOptions(2, 2, 3), report))
+    stub_tree_search(monkeypatch, TreeOptions(2, 2, 3), calls)
     target_dir = save_tiny_target(tmp_path / "target")
     save_head(tiny_head(AutoModelForCausalLM.from_pretrained(target_dir), draft_vocab_size=200), tmp_path / "h")
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": w}) + "\n" for w in ["a b a b a", "c d e"]))
@@ -126,7 +124,7 @@ def test_bench_measures_the_library_defaults_beside_its_own_methods(tmp_path, mo
     assert len(api_rows) == 2
     if auto_dtype("cpu") == torch.float32:
         assert all(row["greedy_match"] for row in api_rows)
-    assert calls == [1] and list((tmp_path / "cache" / "tuning").glob("tree-*.json"))  # tuned once, and cached
+    assert len(calls) == 1 and list((tmp_path / "cache" / "tuning").glob("tree-*.json"))  # tuned once, and cached
 
 
 def test_auto_lookup_branch_makes_the_speculative_method_hybrid(tmp_path):

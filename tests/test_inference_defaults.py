@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import save_tiny_target
+from conftest import save_tiny_target, stub_tree_search
 from test_inference_greedy import near_bigram_target, oracle_head, prompts
 from tiny import tiny_head, tiny_tokenizer
 
@@ -74,8 +74,7 @@ def test_tree_auto_compiles_on_a_cpu_and_other_trees_do_not(folders, tuning_cach
     and the tuning itself is tested above.)"""
     target, head = folders
     cache, calls = tuning_cache
-    report = {"lookup_branch": None, "predicted": {"tokens_per_s": 12.0}, "predicted_plain": {"tokens_per_s": 10.0}}
-    monkeypatch.setattr(auto, "auto_tree", lambda *a, **k: calls.append(k) or (TreeOptions(2, 2, 3), report))
+    stub_tree_search(monkeypatch, TreeOptions(2, 2, 3), calls)
     tuned = SpeculativeGenerator.from_pretrained(target, head, device="cpu", hybrid=False)
     assert "compiling its steps" in capsys.readouterr().err
     assert len(calls) == 1 and tuned.compile and tuned.runner.compiled and tuned.options == TreeOptions(2, 2, 3)

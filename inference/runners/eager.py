@@ -90,7 +90,8 @@ class EagerRunner:
     @torch.inference_mode()
     def verify(self, tokens: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor, largest: int = 0):
         """One forward over the tree after the cached prefix: tokens (1, n) root first; depths (1, n); ancestors
-        (1, n, n) bool (`largest`: the static runner's padding bound, nothing to pad here). Returns (logits (1, n, V), features (1, n, F), argmax of the logits (1, n))."""
+        (1, n, n) bool; `largest` (StaticRunner's padding bound) is unused, nothing is padded here. Returns
+        (logits (1, n, V), features (1, n, F), argmax of the logits (1, n))."""
         past = self.cache.get_seq_length()
         n = tokens.shape[1]
         if self.window is not None and past + n > self.window:
