@@ -38,11 +38,12 @@ def pytest_configure(config):
         avx2_kernels_available()
 
 
-# The modules that take longest (docs/results/test_durations_avx2_zen3.json), run first: xdist hands each worker whole
-# modules (--dist loadscope --no-loadscope-reorder) in this order, so no long module is left for the end while the
-# other worker idles.
-LONGEST_FIRST = ("test_distributed", "test_static_runner", "test_inference_trained", "test_batch", "test_trainer",
-                 "test_inference_real", "test_drafters", "test_finetune", "test_collect", "test_inference_greedy")
+# The modules that take longest (.pytest_cache/durations.json of a full run), run first: xdist hands each worker
+# whole modules (--dist loadscope --no-loadscope-reorder) in this order, so no long module is left for the end while
+# the other worker idles.
+LONGEST_FIRST = ("test_distributed", "test_inference_real", "test_inference_trained", "test_static_runner",
+                 "test_trainer", "test_batch", "test_drafters", "test_inference_greedy", "test_finetune",
+                 "test_readme_runs", "test_bad_input", "test_gguf_weights")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -102,15 +102,18 @@ def test_bench_measures_the_library_defaults_beside_its_own_methods(tmp_path, mo
     tuned, compiled and cached under DRAFTHEAD_CACHE), interleaved with the others and greedy-identical to generate
     where the defaults' dtype is the bench's float32 (bf16 outputs may differ at near-ties). The tuner's search is
     stubbed with a small tree (it is tested in test_inference_defaults.py and test_budget.py; here it would compile
-    every trial shape); the generator it configures compiles and runs for real."""
+    every trial shape), and so is the compile the defaults choose for a tuned tree (compiled steps are the subject
+    of test_static_runner.py); the generator they configure runs for real."""
     from transformers import AutoModelForCausalLM
 
+    from inference import engine
     from inference.bench import build_parser, run_bench
     from inference.tree import TreeOptions
 
     monkeypatch.setenv("DRAFTHEAD_CACHE", str(tmp_path / "cache"))
     calls = []
     stub_tree_search(monkeypatch, TreeOptions(2, 2, 3), calls)
+    monkeypatch.setattr(engine, "compile_setting", lambda compile, device, tuned=False: False)
     target_dir = save_tiny_target(tmp_path / "target")
     save_head(tiny_head(AutoModelForCausalLM.from_pretrained(target_dir), draft_vocab_size=200), tmp_path / "h")
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": w}) + "\n" for w in ["a b a b a", "c d e"]))

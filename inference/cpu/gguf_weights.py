@@ -94,6 +94,8 @@ def use_gguf_weights(model: nn.Module, path: str | Path) -> int:
         for i, row in enumerate(values):
             where.setdefault(row.tobytes(), i)
         for module in candidates:
+            if module.weight[0].numpy().tobytes() not in where:  # another tensor of this shape (most are)
+                continue
             rows = [where.get(row.tobytes()) for row in module.weight.numpy()]
             if any(r is None for r in rows):  # not this tensor's weights (or not an exact dequantization)
                 continue

@@ -85,8 +85,12 @@ def _build(name: str, paths: list[Path], flags: list[str], what: str, timeout: f
 
     cflags = _cflags(flags)
     folder = build_folder(name, paths, flags)
+    built = folder / "built"  # written after a finished build: the folder's digest names its sources and flags
     try:
         with build_lock(folder, build_timeout() if timeout is None else timeout):
+            if built.exists():  # not through torch's ninja, which rebuilds when another ninja (a venv's) ran last
+                torch.ops.load_library(str(folder / f"{name}.so"))
+                return True
             if not (folder / f"{name}.so").exists():  # this process builds them (another's build is waited for)
                 print(f"[drafthead] building the {what} C++ kernels for this CPU (once; a minute or two)",
                       file=sys.stderr, flush=True)
@@ -94,6 +98,7 @@ def _build(name: str, paths: list[Path], flags: list[str], what: str, timeout: f
             (folder / "lock").unlink(missing_ok=True)
             load(name=name, sources=[str(p) for p in paths], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
                  build_directory=str(folder), is_python_module=False, verbose=False)
+            built.touch()
     except Exception as error:  # no compiler, one without these instructions, or a build that never ends
         reason = str(error).strip().splitlines()[-1][:200]
         print(f"[drafthead] {what} kernels not used (building {', '.join(p.name for p in paths)} failed: {reason})",
