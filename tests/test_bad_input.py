@@ -228,7 +228,8 @@ def build_cmd(source: Path, timeout: float) -> list[str]:
 
 
 def test_a_kernel_build_killed_half_way_does_not_block_the_next(tmp_path):
-    """SIGKILL a process (and its compiler) while it builds; a new process then builds within its time limit.
+    """SIGKILL a process (and its compiler) while it builds; a new process then builds within its time limit; a
+    finished build then loads as it is, and is built again if its library went missing.
     (torch's own lock file survives the kill: without our OS lock the next build would wait on it forever.)"""
     source = tmp_path / "probe.cpp"
     source.write_text(PROBE)
@@ -253,6 +254,15 @@ def test_a_kernel_build_killed_half_way_does_not_block_the_next(tmp_path):
                            timeout=180)
     assert again.stdout.strip() == "built", again.stderr[-2000:]
     assert time.time() - start < 180
+    # a finished build is loaded as it is, without torch's ninja (which rebuilds when another ninja binary ran last)
+    folder, = (tmp_path / "extensions").glob("drafthead_probe-*")
+    (folder / "build.ninja").unlink()
+    third = subprocess.run(build_cmd(source, 60), cwd=REPO, env=environ, capture_output=True, text=True, timeout=180)
+    assert third.stdout.strip() == "built" and not (folder / "build.ninja").exists(), third.stderr[-2000:]
+    (folder / "drafthead_probe.so").unlink()  # a library gone since: built again
+    fourth = subprocess.run(build_cmd(source, 60), cwd=REPO, env=environ, capture_output=True, text=True,
+                            timeout=180)
+    assert fourth.stdout.strip() == "built" and (folder / "drafthead_probe.so").exists(), fourth.stderr[-2000:]
 
 
 def test_a_build_held_by_another_process_falls_back_after_the_time_limit(tmp_path, capsys, monkeypatch):

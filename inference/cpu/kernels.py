@@ -89,8 +89,11 @@ def _build(name: str, paths: list[Path], flags: list[str], what: str, timeout: f
     try:
         with build_lock(folder, build_timeout() if timeout is None else timeout):
             if built.exists():  # not through torch's ninja, which rebuilds when another ninja (a venv's) ran last
-                torch.ops.load_library(str(folder / f"{name}.so"))
-                return True
+                try:
+                    torch.ops.load_library(str(folder / f"{name}.so"))
+                    return True
+                except OSError:  # the library was removed or damaged since: build it again
+                    built.unlink()
             if not (folder / f"{name}.so").exists():  # this process builds them (another's build is waited for)
                 print(f"[drafthead] building the {what} C++ kernels for this CPU (once; a minute or two)",
                       file=sys.stderr, flush=True)
