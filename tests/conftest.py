@@ -24,13 +24,15 @@ from drafthead.paths import cache_dir  # noqa: E402
 
 
 def pytest_configure(config):
-    """Under xdist, each worker takes its share of the cores: the tiny models gain nothing from more threads, and
-    two workers' OpenMP pools on the same cores only contend. The xdist controller first builds this CPU's C++
-    kernels (inference/cpu_kernels.py) with every core, once, so that no worker builds them inside a test while
-    the other waits for its lock."""
+    """Under xdist, each worker takes its share of the cores, and so do the processes its tests start
+    (OMP_NUM_THREADS): the tiny models gain nothing from more threads, and two workers' OpenMP pools on the same
+    cores only contend. The xdist controller first builds this CPU's C++ kernels (inference/cpu_kernels.py) with
+    every core, once, so that no worker builds them inside a test while the other waits for its lock."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        share = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(share)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
     elif getattr(config.option, "numprocesses", None):
         from inference.cpu.kernels import avx2_kernels_available, kernels_available
 
