@@ -115,6 +115,20 @@ def test_conversion_keeps_parameters_ties_and_state_dict():
     assert use_small_row_kernel(tiny_model("llama"), float32=True) == converted  # small_gemm_avx2.cpp
 
 
+def test_a_float32_copy_of_a_converted_model_is_packed_for_float32():
+    """copy.deepcopy of a model in use (converted in bf16), then .float() (the bench's float32 reference): converted
+    again, its small-row products are float32 ones, not the bf16 layout read as float32."""
+    import copy
+
+    target = tiny_model("llama", dtype=torch.bfloat16, vocab_size=320)
+    use_small_row_kernel(target)
+    reference = copy.deepcopy(target).float()
+    assert use_small_row_kernel(reference, float32=True) == 8 * 7 + 1
+    x = torch.randn(3, reference.lm_head.in_features)
+    with small_row_kernel(max_rows=4):
+        assert torch.allclose(reference.lm_head(x), F.linear(x, reference.lm_head.weight), atol=1e-5)
+
+
 @pytest.mark.parametrize("compile", [False, True])
 def test_the_static_runner_verifies_with_the_kernel_close_to_pytorchs_linears(compile):
     """A bf16 tree verification on the static runner runs the kernel (seen in the profile) and gives the logits

@@ -234,6 +234,13 @@ def use_small_row_kernel(model: nn.Module, float32: bool = False) -> int:
     BATCH_KERNEL_ROWS). Sibling linears of one module with the same input width (an attention's q/k/v/o, an MLP's
     gate/up) are packed back to back in one buffer, each module's `packed` a view of it, so that a compiled step
     can multiply the ones that share an input in one call (FuseSiblingLinears)."""
+    for module in model.modules():
+        if isinstance(module, SmallRowLinear) and module not in _holds:
+            # a copy of a converted linear (copy.deepcopy of a model in use) holds the original's copies, perhaps
+            # packed for another dtype (.float() keeps a bf16 layout): a plain linear again, converted below
+            module.__class__ = nn.Linear
+            for name in ("packed", "int8_weight", "int8_columns"):
+                module._buffers.pop(name, None)
     linears = [m for m in model.modules() if isinstance(m, SmallRowLinear) or eligible(m, float32)]
     if not linears:
         return 0
