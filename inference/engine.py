@@ -76,9 +76,10 @@ class SpeculativeGenerator:
     up to `lookup_tokens` tokens, at most `lookup_nodes` of them new nodes a row), a StreamingSelfDrafter (hybrid
     adds the branch to its chains too), or any drafter.Drafter (prompt_lookup(), DraftModelDrafter, ...).
     tree="none" (draft ignored, may be None): plain greedy/sampled decoding on the same runner (the baseline that
-    separates what the runner buys from what speculation buys). tree="auto" (a head): the tree tuned for this
-    target, head, machine and dtype (tuning/auto.py: measured once, a notice first, then cached on disk), and, when
-    hybrid is None, whether the prompt-lookup branch pays; it needs the tokenizer (without one, the "cpu" preset).
+    separates what the runner buys from what speculation buys); with hybrid=True, prompt lookup alone. tree="auto"
+    (a head): the tree tuned for this target, head, machine and dtype (tuning/auto.py: measured once, a notice
+    first, then cached on disk), and, when hybrid is None, whether the prompt-lookup branch pays (beside the tree,
+    or alone where no tree beat plain decoding); it needs the tokenizer (without one, the "cpu" preset).
 
     speculate: "always", or "auto": speculate only on the steps where its measured cost pays and take plain steps
     on the others (switch.py); or a SpeculationSwitch of one's own. The output is the same either way.
@@ -120,8 +121,8 @@ class SpeculativeGenerator:
             tree, hybrid, lookup_tokens = self._tune(draft, hybrid, lookup_tokens)
         elif tree == "auto":
             tree = "cpu"  # the tree of a head only; other drafters take no tree
-        if tree == "none":  # plain decoding, whatever the draft
-            self.drafter, hybrid = PlainDrafter(), False
+        if tree == "none":  # plain decoding, whatever the draft (with hybrid=True: prompt lookup alone)
+            self.drafter = PlainDrafter()
         elif isinstance(draft, DraftHead):
             check_compatible(draft.config, target.config)
             self.head = draft.eval()
@@ -137,8 +138,9 @@ class SpeculativeGenerator:
         else:
             raise TypeError(f"draft must be a DraftHead, a Drafter or None, got {type(draft).__name__}")
         if hybrid:  # (None: off, unless tree="auto" chose the branch)
-            if not isinstance(self.drafter, (HeadDrafter, StreamingSelfDrafter)):
-                raise ValueError("hybrid=True adds prompt lookup to a draft head or to 'self'; this draft is neither")
+            if not isinstance(self.drafter, (HeadDrafter, StreamingSelfDrafter, PlainDrafter)):
+                raise ValueError("hybrid=True adds prompt lookup to a draft head, to 'self' or to tree='none'; this "
+                                 "draft is none of them")
             self.drafter = LookupBranch(self.drafter, lookup_tokens, lookup_nodes)
         self.plain = isinstance(self.drafter, PlainDrafter)
         if self._runner is not None:

@@ -3,6 +3,8 @@ them (after a target step)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from test_inference_greedy import near_bigram_target, oracle_head, prompts
 from tiny import tiny_model
@@ -134,6 +136,22 @@ def test_lookup_branch_is_kept_only_when_measured_at_least_as_fast():
     _, without = budget.auto_tree(target, head, calib, max_new_tokens=8, verbose=False, runner=runner,
                                   generator=SpeculativeGenerator)
     assert without["lookup_branch"] is None
+
+
+def test_prompt_lookup_alone_is_tried_where_no_tree_won():
+    """With no tree chosen (here: a trial of no trees), plain decoding and prompt lookup alone take turns, and
+    lookup is kept only where it measured faster than plain decoding."""
+    target = near_bigram_target()
+    head = oracle_head(target).attach_target(target)
+    runner = StaticRunner(target, head.config.aux_layer_ids, buckets=(1, 4, 8))
+    calib = [torch.cat([p, p, p], dim=1) for p in prompts(2, 320, seed=4)]
+    no_trial = dataclasses.replace(budget.FULL, trial_trees=0)
+    options, report = budget.auto_tree(target, head, calib, max_new_tokens=24, verbose=False, runner=runner,
+                                       lookup_tokens=3, budget=no_trial, generator=SpeculativeGenerator)
+    branch = report["lookup_branch"]
+    assert options is None and report["chosen"] == "none" and branch["tokens"] == 3
+    rates = branch["tokens_per_s"]
+    assert rates["tree_alone"] > 0 and branch["chosen"] == (rates["with_lookup"] > rates["tree_alone"])
 
 
 def test_lookup_branch_rates_count_real_tokens():

@@ -86,6 +86,24 @@ def test_tree_auto_compiles_on_a_cpu_and_other_trees_do_not(folders, tuning_cach
         gen.close()
 
 
+def test_tree_auto_takes_prompt_lookup_alone_where_it_beat_plain_decoding(folders, tuning_cache, monkeypatch,
+                                                                           capsys):
+    """A tuning that chose no tree but prompt lookup alone (stubbed: the tuner's own test covers the choice) gives a
+    generator that drafts by prompt lookup only, says so, and decodes what plain decoding does."""
+    target, head = folders
+    report = {"lookup_branch": {"tokens": 3, "chosen": True, "tokens_per_s": {"with_lookup": 12.0,
+                                                                              "tree_alone": 10.0}},
+              "predicted": {"tokens_per_s": 0.0}, "predicted_plain": {"tokens_per_s": 10.0}}
+    monkeypatch.setattr(auto, "auto_tree", lambda *a, **k: (None, report))
+    gen = SpeculativeGenerator.from_pretrained(target, head, dtype="float32", compile=False)
+    assert "drafting by prompt lookup alone (up to 3 tokens" in capsys.readouterr().err
+    assert gen.options is None and not gen.plain and gen.drafter.name == "prompt_lookup"
+    assert gen.drafter.tokens == 3 and gen.tuned.tokens_per_s == 12.0
+    plain = SpeculativeGenerator.from_pretrained(target, None, tree="none", dtype="float32", compile=False)
+    ids = torch.cat([prompts(1, 200, seed=2)[0]] * 3, dim=1)  # repeats: the lookup finds matches
+    assert torch.equal(gen.generate(ids, max_new_tokens=16).sequences, plain.generate(ids, max_new_tokens=16).sequences)
+
+
 def test_the_cache_key_tells_targets_heads_and_dtypes_apart(folders):
     from transformers import AutoModelForCausalLM
 

@@ -244,9 +244,9 @@ def build_methods(args, model, head, tokenizer, eos, runner, options: TreeOption
     if "speculative" in wanted:  # options None: the tuner chose plain decoding
         tokens = tree_info.get("lookup_tokens", args.hybrid_tokens)
         branch = dict(hybrid=True, lookup_tokens=tokens) if tree_info.get("lookup_branch") else {}
-        depth = 0 if options is None else max(options.depth, tokens if branch else 0)
+        depth = max(options.depth if options else 0, tokens if branch else 0)  # branch alone: prompt lookup
         methods.append(Method(f"speculative_{args.tree}", engine(options, **branch), model, head, depth))
-        if "tree_alone" in wanted and branch:
+        if "tree_alone" in wanted and branch and options is not None:
             methods.append(Method("tree_alone", engine(options), model, head, options.depth))
         if "full_vocab" in wanted and full_head is not None and options is not None:
             methods.append(Method("speculative_full_vocab", engine(options, **branch), model, full_head, depth))

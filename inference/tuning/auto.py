@@ -46,13 +46,14 @@ TUNING_FORWARDS = 300
 # a compile's time grows with the graph, and the measured times differ ~3x between CPU kinds (docs/history.md)
 TUNING_COMPILES = 9
 COMPILE_S_PER_LAYER = 2.0
-FORMAT = 2  # bumped when the cached file's meaning changes (1: other calibration prompts)
+FORMAT = 3  # bumped when the cached file's meaning changes (1: other calibration prompts; 2: no tree meant no lookup)
 
 
 @dataclasses.dataclass
 class TunedTree:
     """What the tuning chose: the tree (None: plain decoding measured faster), the lookup branch's tokens (0:
-    without it), and the decoding rates it measured (tokens/s; the warning's reference)."""
+    without it; with no tree, prompt lookup alone), and the decoding rates it measured (tokens/s; the warning's
+    reference)."""
 
     tree: TreeOptions | None
     lookup_tokens: int
@@ -167,14 +168,18 @@ def tuned_tree(model: nn.Module, head: DraftHead, tokenizer: Any, runner: Any, c
         options, report = auto_tree(model, head, inputs, max_new_tokens=CALIBRATION_TOKENS, runner=runner,
                                     lookup_tokens=lookup_tokens, budget=budget, verbose=False, generator=generator)
         branch = report["lookup_branch"]
-        chosen = report["predicted"]["tokens_per_s"] if options is not None else 0.0  # the chosen tree's trial rate
-        cached = TunedTree(options, branch["tokens"] if branch and branch["chosen"] else 0,
-                           report["predicted_plain"]["tokens_per_s"], chosen)
+        lookup = branch["tokens"] if branch and branch["chosen"] else 0
+        # the chosen tree's trial rate; prompt lookup alone: its own
+        chosen = report["predicted"]["tokens_per_s"] if options is not None else \
+            branch["tokens_per_s"]["with_lookup"] if lookup else 0.0
+        cached = TunedTree(options, lookup, report["predicted_plain"]["tokens_per_s"], chosen)
         atomic_write_json(path, {"key": key, "tree": dataclasses.asdict(options) if options else "none",
                                 "lookup_tokens": cached.lookup_tokens,
                                 "plain_tokens_per_s": cached.plain_tokens_per_s, "tokens_per_s": cached.tokens_per_s,
                                 "tuning_s": time.perf_counter() - start, "estimate_s": estimate, "report": report})
     if cached.tree is None:
+        then = f"drafting by prompt lookup alone (up to {cached.lookup_tokens} tokens copied from the context), " \
+            "which measured faster than plain decoding" if cached.lookup_tokens else "decoding without speculation"
         print("[drafthead] tree='auto': plain decoding measured faster than every draft tree on this machine; "
-              "decoding without speculation", file=sys.stderr)
+              f"{then}", file=sys.stderr)
     return cached

@@ -15,7 +15,8 @@
    head pruned to a few vocabulary sizes (and unpruned), taking turns; the fastest measured keeps its place.
 6. Lookup branch (optional): the chosen tree decodes the calibration prompts again, alone and with the
    prompt-lookup branch merged in (drafters/lookup.py), taking turns; the branch stays if it measured at least as
-   fast: it costs nothing where nothing in the context matches, and the target copies a lot.
+   fast: it costs nothing where nothing in the context matches, and the target copies a lot. Where no tree won,
+   plain decoding and prompt lookup alone take turns the same way, and lookup stays only if measured faster.
 GPU-tuned trees (60 tokens) are wrong on a CPU, where verifying 16 tokens already costs ~1.7x a single step.
 """
 
@@ -249,15 +250,15 @@ def _rates(gens: dict, inputs: list[torch.Tensor], max_new_tokens: int, rounds: 
             for key, runs in stats.items()}
 
 
-def measure_lookup_branch(model: nn.Module, head: DraftHead, runner, tree: TreeOptions,
+def measure_lookup_branch(model: nn.Module, head: DraftHead, runner, tree: TreeOptions | None,
                           lookup_tokens: tuple[int, ...], inputs: list[torch.Tensor], max_new_tokens: int,
                           rounds: int = TRIAL_ROUNDS, *, generator: Callable[..., Any]) -> dict[int, float]:
     """Decoding tokens/s (new tokens over decode time, prefill excluded, all prompts and rounds together) of the
     head's `tree` alone (key 0) and with the prompt-lookup branch of up to n tokens (key n, for each n of
-    `lookup_tokens`), all taking turns on `runner`. The branch's gain is real tokens, not a replay: it accepts
+    `lookup_tokens`), all taking turns on `runner`; tree None: plain decoding and prompt lookup alone. The branch's gain is real tokens, not a replay: it accepts
     copies of the context, which the head's recorded trees know nothing of."""
     compiled = getattr(runner, "compiled", False)
-    gens = {n: generator(model, head, tree=tree, runner=runner, compile=compiled, hybrid=n > 0,
+    gens = {n: generator(model, head, tree=tree or "none", runner=runner, compile=compiled, hybrid=n > 0,
                          lookup_tokens=max(n, 1)) for n in (0, *lookup_tokens)}
     return {n: rate["tokens_per_s"] for n, rate in _rates(gens, inputs, max_new_tokens, rounds).items()}
 
@@ -362,9 +363,10 @@ def auto_tree(
     """Choose the tree budget that maximises expected tokens/s on this device, dtype and runner (the one the
     generator will use: pass it; default a new static-or-eager runner). Returns (options, report); options is None
     when plain decoding on the same runner was measured at least as fast as every tree in the trial.
-    lookup_tokens > 0: the chosen tree then decodes once more with the prompt-lookup branch of up to that many
-    tokens (drafters/lookup.py) against itself alone, and report["lookup_branch"]["chosen"] says whether
-    the branch was measured at least LOOKUP_BRANCH_MARGIN as fast (then generate with hybrid=True and
+    lookup_tokens > 0: the chosen tree (or, where none won, plain decoding) then decodes once more with the
+    prompt-lookup branch of up to that many tokens (drafters/lookup.py) against itself alone, and
+    report["lookup_branch"]["chosen"] says whether the branch was measured at least LOOKUP_BRANCH_MARGIN as fast
+    (beside plain decoding: faster) (then generate with hybrid=True and
     report["lookup_branch"]["tokens"]: on a static runner the faster of the branch that fills the tree's next
     bucket and the one of what the largest bucket leaves beside the tree, each at most lookup_tokens).
     vocab_heads ({draft vocabulary size: head pruned to it}): the chosen tree then decodes with each
@@ -437,22 +439,26 @@ def auto_tree(
         head = vocab_heads[size]
         draft_vocab = {"chosen": size, "trial": {str(k): v for k, v in rates.items()}}
     lookup_branch = None
-    if options is not None and lookup_tokens > 0:
+    if lookup_tokens > 0:
         # the branch's nodes come on top of the tree's: a static runner's largest bucket bounds the two together,
         # and a branch that fits the tree's next bucket may beat a longer one verified in a costlier bucket
         buckets = getattr(runner, "buckets", None)
         counts = (lookup_tokens,)
+        tree_size = options.tree_size if options is not None else 1
         if buckets:
-            above = [b - options.tree_size for b in buckets if b > options.tree_size]
+            above = [b - tree_size for b in buckets if b > tree_size]
             counts = tuple(sorted({min(lookup_tokens, n) for n in above[:1] + above[-1:]}))
         if not counts:
             lookup_branch = {"tokens": 0, "chosen": False, "tokens_per_s": None,
-                             "skipped": f"the tree fills the runner's largest verify bucket ({buckets[-1]})"}
+                             "skipped": f"the tree fills the runner's largest verify bucket ({buckets[-1]})" if options
+                             else "the runner verifies one token a step"}
         else:
             rates = measure_lookup_branch(model, head, runner, options, counts, calibration_inputs, max_new_tokens,
                                           rounds=budget.rounds, generator=generator)
             best = max(counts, key=rates.__getitem__)
-            lookup_branch = {"tokens": best, "chosen": rates[best] >= LOOKUP_BRANCH_MARGIN * rates[0],
+            # beside a tree it stays unless measurably slower; alone, it must beat plain decoding
+            chosen = rates[best] >= LOOKUP_BRANCH_MARGIN * rates[0] if options is not None else rates[best] > rates[0]
+            lookup_branch = {"tokens": best, "chosen": chosen,
                              "tokens_per_s": {"tree_alone": rates[0], "with_lookup": rates[best]},
                              "trial": {str(n): rates[n] for n in counts}}
     gpu = TREE_PRESETS["gpu"]
@@ -485,7 +491,8 @@ def auto_tree(
         elif lookup_branch is not None:
             rates = lookup_branch["tokens_per_s"]
             choice += (f", {'with' if lookup_branch['chosen'] else 'without'} the prompt-lookup branch "
-                       f"({rates['with_lookup']:.1f} vs {rates['tree_alone']:.1f} tok/s alone)")
+                       f"({rates['with_lookup']:.1f} vs {rates['tree_alone']:.1f} tok/s "
+                       f"{'alone' if options else 'plain'})")
         print(f"tree auto: {choice} (best tree: replayed tau {tau:.2f}, measured {step_ms:.1f} ms/step, "
               f"{tps:.1f} tok/s; plain step {plain_ms:.1f} ms = {1000 / plain_ms:.1f} tok/s)", flush=True)
     return options, report
