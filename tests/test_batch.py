@@ -405,7 +405,7 @@ def test_batch_refusals():
         gen.generate(ids, attention_mask=mask.flip(1), max_new_tokens=2)
     with pytest.raises(ValueError, match="streamer"):
         gen.generate(ids, attention_mask=mask, max_new_tokens=2, streamer=object())
-    with pytest.raises(ValueError, match="draft head or to 'self'"):
+    with pytest.raises(ValueError, match="to a draft head, to 'self' or to tree='none'"):
         SpeculativeGenerator.from_pretrained(target, "prompt-lookup", hybrid=True)
     with pytest.raises(ValueError, match="batch_size and prefill_group"):
         gen.generate_many([ids[0]], max_new_tokens=2, batch_size=0)
