@@ -238,9 +238,7 @@ def use_small_row_kernel(model: nn.Module, float32: bool = False) -> int:
         if isinstance(module, SmallRowLinear) and module not in _holds:
             # a copy of a converted linear (copy.deepcopy of a model in use) holds the original's copies, perhaps
             # packed for another dtype (.float() keeps a bf16 layout): a plain linear again, converted below
-            module.__class__ = nn.Linear
-            for name in ("packed", "int8_weight", "int8_columns"):
-                module._buffers.pop(name, None)
+            _unconvert(module, nn.Linear)
     linears = [m for m in model.modules() if isinstance(m, SmallRowLinear) or eligible(m, float32)]
     if not linears:
         return 0
@@ -277,12 +275,17 @@ def release_kernels(model: nn.Module, kind: str = "rows") -> None:
         counts[kind] -= 1
         if not any(counts.values()):
             del _holds[module]
-            # the class first, then the copies emptied in place (no key removed): this may run from the garbage
-            # collector in the middle of someone's iteration over the module (a deepcopy, a state_dict)
-            module.__class__ = _own_class.pop(module, nn.Linear)
-            for name in ("packed", "int8_weight", "int8_columns"):
-                if name in module._buffers:
-                    module._buffers[name] = None
+            _unconvert(module, _own_class.pop(module, nn.Linear))
+
+
+def _unconvert(module: nn.Module, own_class: type) -> None:
+    """`module` as its own class again, without the packed and int8 copies. The class first, then the copies emptied
+    in place (no key removed): this may run from the garbage collector in the middle of someone's iteration over
+    the module (a deepcopy, a state_dict)."""
+    module.__class__ = own_class
+    for name in ("packed", "int8_weight", "int8_columns"):
+        if name in module._buffers:
+            module._buffers[name] = None
 
 
 def _attribute(module: nn.Module, target: str) -> torch.Tensor:
