@@ -168,15 +168,19 @@ void multiply(const float* a, int64_t m_total, int64_t k, Block block, int64_t b
       const Cursor weights = block(blk);
       for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
         const int64_t chunk = std::min(kChunk, k - k0);
+        const auto row_groups = [&](const auto& w) {  // every group of rows times the piece `w`
+          using W = std::decay_t<decltype(w)>;
+          for (int64_t m0 = 0; m0 < m_total; m0 += kMaxRows) {
+            const int rows_now = static_cast<int>(std::min<int64_t>(kMaxRows, m_total - m0));
+            kBlockDot<W>[rows_now](a + m0 * k + k0, k, w, chunk, k0 == 0, y + m0 * n + col, n);
+          }
+        };
         const Cursor piece = weights.at(k0);
-        if (widen_once) widen(piece, chunk, tile);
-        for (int64_t m0 = 0; m0 < m_total; m0 += kMaxRows) {
-          const int rows_now = static_cast<int>(std::min<int64_t>(kMaxRows, m_total - m0));
-          if (widen_once)
-            kBlockDot<Plain<float>>[rows_now](a + m0 * k + k0, k, Plain<float>{tile}, chunk, k0 == 0,
-                                              y + m0 * n + col, n);
-          else
-            kBlockDot<Cursor>[rows_now](a + m0 * k + k0, k, piece, chunk, k0 == 0, y + m0 * n + col, n);
+        if (widen_once) {
+          widen(piece, chunk, tile);
+          row_groups(Plain<float>{tile});
+        } else {
+          row_groups(piece);
         }
       }
       if (scale == nullptr && bias == nullptr) continue;
