@@ -169,9 +169,10 @@ def tuned_tree(model: nn.Module, head: DraftHead, tokenizer: Any, runner: Any, c
                                     lookup_tokens=lookup_tokens, budget=budget, verbose=False, generator=generator)
         branch = report["lookup_branch"]
         lookup = branch["tokens"] if branch and branch["chosen"] else 0
-        # the chosen tree's trial rate; prompt lookup alone: its own
-        chosen = report["predicted"]["tokens_per_s"] if options is not None else \
-            branch["tokens_per_s"]["with_lookup"] if lookup else 0.0
+        if options is not None:  # the chosen tree's trial rate
+            chosen = report["predicted"]["tokens_per_s"]
+        else:  # prompt lookup alone: its own rate; plain decoding: none
+            chosen = branch["tokens_per_s"]["with_lookup"] if lookup else 0.0
         cached = TunedTree(options, lookup, report["predicted_plain"]["tokens_per_s"], chosen)
         atomic_write_json(path, {"key": key, "tree": dataclasses.asdict(options) if options else "none",
                                 "lookup_tokens": cached.lookup_tokens,

@@ -255,8 +255,9 @@ def measure_lookup_branch(model: nn.Module, head: DraftHead, runner, tree: TreeO
                           rounds: int = TRIAL_ROUNDS, *, generator: Callable[..., Any]) -> dict[int, float]:
     """Decoding tokens/s (new tokens over decode time, prefill excluded, all prompts and rounds together) of the
     head's `tree` alone (key 0) and with the prompt-lookup branch of up to n tokens (key n, for each n of
-    `lookup_tokens`), all taking turns on `runner`; tree None: plain decoding and prompt lookup alone. The branch's gain is real tokens, not a replay: it accepts
-    copies of the context, which the head's recorded trees know nothing of."""
+    `lookup_tokens`), all taking turns on `runner`; tree None: plain decoding and prompt lookup alone. The
+    branch's gain is real tokens, not a replay: it accepts copies of the context, which the head's recorded trees
+    know nothing of."""
     compiled = getattr(runner, "compiled", False)
     gens = {n: generator(model, head, tree=tree or "none", runner=runner, compile=compiled, hybrid=n > 0,
                          lookup_tokens=max(n, 1)) for n in (0, *lookup_tokens)}
@@ -366,7 +367,7 @@ def auto_tree(
     lookup_tokens > 0: the chosen tree (or, where none won, plain decoding) then decodes once more with the
     prompt-lookup branch of up to that many tokens (drafters/lookup.py) against itself alone, and
     report["lookup_branch"]["chosen"] says whether the branch was measured at least LOOKUP_BRANCH_MARGIN as fast
-    (beside plain decoding: faster) (then generate with hybrid=True and
+    beside a tree, faster beside plain decoding (then generate with hybrid=True and
     report["lookup_branch"]["tokens"]: on a static runner the faster of the branch that fills the tree's next
     bucket and the one of what the largest bucket leaves beside the tree, each at most lookup_tokens).
     vocab_heads ({draft vocabulary size: head pruned to it}): the chosen tree then decodes with each
