@@ -16,7 +16,8 @@ A proposed DraftTree (tree.py) holds each row's tokens, parents, depths and ance
 with a stochastic drafter also `q`, the distribution each node was drawn from (deterministic drafters leave it None:
 their nodes are point masses); and optionally `origin`, a bit mask per node naming the drafters (`origin_names`)
 that proposed it, for per-drafter acceptance statistics. Trees of one step share a size; the size may change from
-step to step (the runner pads it to its next verify bucket), up to `tree_size`.
+step to step (the runner pads it to its next verify bucket), up to `tree_size`; a drafter whose trees never go
+below a size may say so in `smallest_tree` (optional, 1 when absent), and warmup compiles no bucket below it.
 
 Drafters: PlainDrafter (here: no draft, plain decoding), HeadDrafter (eagle.py, an EAGLE head's dynamic trees,
 full or windowed KV), LookupBranch (lookup.py: prompt lookup alone, or beside another drafter's trees),

@@ -228,7 +228,9 @@ class SpeculativeGenerator:
             runner.reset(1, max_length + self.drafter.tree_size)  # before the session, which depends on the rows
             with runner.session(), torch.inference_mode():
                 runner.prefill(ids)
-                for n in sorted({b for b in buckets if b <= bucket_for(self.drafter.tree_size, buckets)}):
+                # a drafter's trees never go below its smallest; plain steps (speculate="auto") verify the root alone
+                sizes = range(getattr(self.drafter, "smallest_tree", 1), self.drafter.tree_size + 1)
+                for n in sorted({bucket_for(n, buckets) for n in sizes} | ({1} if self.switch else set())):
                     tree = DraftTree.chain(ids[0, :1], ids[:, :1].repeat(1, n - 1))
                     start = time.perf_counter()
                     runner.verify(tree.tokens, tree.depths, tree.ancestors)

@@ -5,16 +5,19 @@
 #   PART_MIB=41 scripts/gpu_stage.sh -j scripts/gpu_jobs_spec.sh HEAD_FOLDER     # here: carry folders, their calls
 #
 # Device calls (15 minutes of device time in all; the machine's start counts):
-#   calls 1 .. N-1  carry .gpu-stage/K, `bash .gpu-stage/K/run.sh`: the start (~1-2 min), then ~15 s a call
-#                   (N = 4 with the head, ShareGPT, a ~20 MiB tree and PART_MIB=41; 5 at the default 40)
-#                                                                                           brings back: nothing
-#   call N          carry .gpu-stage/N, `bash .gpu-stage/N/run.sh`, timeout_s 600: setup (~40 s), starts the jobs,
-#                   waits up to 420 s                                           brings back: the JSON so far
-#   call N+1        `bash /root/stage/poll.sh 240`, timeout_s 300                 brings back: every JSON, logs.tgz
+#   calls 1 .. N-1  carry .gpu-stage/K, `bash .gpu-stage/K/run.sh`: the start (36 s on an H200, up to ~2 min),
+#                   then ~5 s a call (N = 5 with the head, no ShareGPT and a 28 MiB tree; SHAREGPT=0 when no batch
+#                   job runs)                                                               brings back: nothing
+#   call N          carry .gpu-stage/N, `WAIT_S=420 bash .gpu-stage/N/run.sh`, timeout_s 600: setup (~40 s), starts
+#                   the jobs, waits up to WAIT_S                                brings back: the JSON so far
+#   call N+1        `bash /root/stage/poll.sh 240 tests`, timeout_s 300: waits for the jobs and the CUDA tests after
+#                   them (never poll with `pgrep -f NAME`: it matches its own command)
+#                                                                               brings back: every JSON, logs.tgz
 # That leaves the jobs BUDGET_S = 600 s. Each is cut at its limit; a bench rewrites its JSON after every prompt
 # (batch 1) or cell (batches), so a job cut short keeps what it measured; jobs_status.json says how each ended.
-# Every compiled shape costs ~40 s on a fresh machine (an H100's figure: each verify bucket, each drafting graph,
-# per batch size), more than the decoding itself, so one session holds the CUDA tests and batch 1 only:
+# Every compiled shape costs 26-40 s on a fresh machine (H200 / H100: each verify bucket a drafter can use, each
+# drafting graph, per batch size), more than the decoding itself, so one session holds the CUDA tests and batch 1
+# (an H200 ran spec_b1_gpu in 272 s):
 #   1. cuda_tests     <= 120 s  the CUDA tests (graph capture of every verify bucket and drafting depth, the
 #                               compiled loss), first: the figures after them are read knowing whether a step
 #                               skipped its graph                                 -> cuda_tests.log (in logs.tgz)

@@ -7,8 +7,10 @@
 #   calls 1 .. N-1:  carry .gpu-stage/K: bash .gpu-stage/K/run.sh   (copies its part to /root/stage)
 #   call N:          carry .gpu-stage/N: bash .gpu-stage/N/run.sh   joins and checks the tar, installs the wheels,
 #                    converts the target, copies the repo to /root/stage/repo, starts the jobs (setsid, logged to
-#                    /root/stage/out; the CUDA tests run after them unless the jobs ran them) and waits up to 420 s
-#   later calls:     bash /root/stage/poll.sh SECONDS [head]     (results, or the exported head, into $OUT)
+#                    /root/stage/out; the CUDA tests run after them unless the jobs ran them) and waits up to WAIT_S
+#                    (default 420) s
+#   later calls:     bash /root/stage/poll.sh SECONDS [head|tests]  (results, the exported head, or the results
+#                    once the CUDA tests ran, into $OUT)
 # usage: [TRAIN_STEPS=N] [PART_MIB=M] [SHAREGPT=0] scripts/gpu_stage.sh [-j JOBS_SCRIPT] [HEAD_FOLDER]
 #        (default jobs: below; a JOBS_SCRIPT runs with the same environment, from /root/stage/repo; HEAD_FOLDER is
 #        staged as /root/stage/head for jobs that read it, the default jobs do not; SHAREGPT=0 leaves ShareGPT out
@@ -67,18 +69,20 @@ cp \$S/run/train/log.jsonl \$O/train_log.jsonl
 python3 -m drafthead.export \$S/run/train/final \$O/head --format eagle3 --force > \$O/export.log 2>&1
 EOT
 [ -n "$JOBS" ] && { echo "$ENV"; cat "$JOBS"; } > "$P/jobs.sh"
-# the figures first (DONE ends poll.sh's wait), then the CUDA tests (out/cuda_tests.log, read by a later poll)
-# unless the jobs ran them
+# the figures first (DONE ends poll.sh's wait), then the CUDA tests (out/cuda_tests.log, read by a later poll;
+# TESTS_DONE ends `poll.sh SECONDS tests`) unless the jobs ran them
 cat >> "$P/jobs.sh" <<'EOT'
 echo done > /root/stage/out/DONE
 [ -f /root/stage/out/cuda_tests.log ] || { cd /root/stage/repo && python3 -m pytest -q -p no:cacheprovider \
     tests/test_static_runner.py tests/test_soft_ce.py -k cuda -rs > /root/stage/out/cuda_tests.log 2>&1; }
+echo done > /root/stage/out/TESTS_DONE
 EOT
 cat > "$P/poll.sh" <<'EOT'
-# poll.sh SECONDS [head]: wait for the jobs up to SECONDS, then copy the JSON and logs to $OUT; with `head`, the
-# exported head alone instead (a call brings back 8 files of 16 MiB at most; a float32 head is 6 parts)
-S=/root/stage; end=$((SECONDS + $1))
-while [ $SECONDS -lt $end ] && [ ! -f $S/out/DONE ]; do sleep 10; done
+# poll.sh SECONDS [head|tests]: wait for the jobs (with `tests`: for the CUDA tests after them) up to SECONDS,
+# then copy the JSON and logs to $OUT; with `head`, the exported head alone instead (a call brings back 8 files
+# of 16 MiB at most; a float32 head is 6 parts)
+S=/root/stage; end=$((SECONDS + $1)); mark=DONE; [ "${2:-}" = tests ] && mark=TESTS_DONE
+while [ $SECONDS -lt $end ] && [ ! -f $S/out/$mark ]; do sleep 5; done
 cd $S/out; for f in *.log; do echo "== $f"; tail -c 400 $f; echo; done
 if [ "${2:-}" = head ]; then
   split -b 16000000 head/model.safetensors $OUT/head.st. && cp head/config.json $OUT/head_config.json
@@ -116,7 +120,7 @@ tar -xf /root/stage/payload.tar -C /root/stage && rm /root/stage/payload.tar
 mkdir -p /root/stage/repo && tar --exclude=./.gpu-stage --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C /root/stage/repo
 bash /root/stage/setup.sh
 (setsid nohup bash /root/stage/jobs.sh > /root/stage/out/jobs.log 2>&1 < /dev/null &)
-bash /root/stage/poll.sh 420
+bash /root/stage/poll.sh "\${WAIT_S:-420}"
 EOT
 echo "working tree $TREE_MIB MiB + parts of at most $PART_MIB MiB: $N calls"
 du -sh "$S"/*

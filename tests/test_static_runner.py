@@ -210,6 +210,22 @@ def test_compiled_runner_is_lossless_without_recompiles(compiled):
     assert (torch._dynamo.config.get_config_copy(), torch._inductor.config.get_config_copy()) == settings
 
 
+def test_warmup_builds_only_the_buckets_a_drafter_can_use():
+    """A head's trees always hold all their nodes: warmup builds their bucket alone (each bucket is a compiled graph,
+    ~40 s on a GPU), and the one-token bucket too where plain steps may run (speculate="auto")."""
+    target = near_bigram_target("llama", num_layers=1)
+    head = oracle_head(target).attach_target(target)
+    tree = TreeOptions(depth=2, top_k=2, total_tokens=5)  # 6 tokens with the root
+    for speculate, built in (("always", [8]), ("auto", [1, 8])):
+        runner = StaticRunner(target, head.config.aux_layer_ids, buckets=(1, 4, 8, 16))
+        gen = SpeculativeGenerator(target, head, tree=tree, runner=runner, speculate=speculate)
+        assert sorted(gen.warmup(32)) == built, speculate
+        ids = prompts(1, 320, seed=2)[0]
+        assert torch.equal(gen.generate(ids, max_new_tokens=12).sequences,
+                           target.generate(ids, do_sample=False, max_new_tokens=12))
+    assert sorted(SpeculativeGenerator(target, head, tree="none", hybrid=True, runner=runner).warmup(32)) == [1, 4, 8, 16]
+
+
 @pytest.mark.slow
 def test_compiled_drafting_step_is_lossless_without_recompiles():
     """The head drafter's steady step (feed the accepted pairs, expand every depth, select) as one compiled graph
@@ -254,6 +270,44 @@ def test_compiled_verify_steps_follow_their_buffers_when_they_grow():
     assert runner.capacity > small and torch.equal(out.sequences, ref) and out.stats.mean_accepted > 1.5
     assert runner.cache.layers[0].keys[0, :, ids.shape[1] - 1].abs().sum() > 0  # the new buffer holds the prompt
     assert len({capacity for _, capacity, _ in runner.shapes}) == 2
+
+
+def test_compiled_steps_write_in_place_only_into_inputs_of_fixed_address(monkeypatch):
+    """On CUDA, inductor skips the CUDA graph of a step that writes in place into an input without a fixed, aligned
+    address (a static input), and the step then pays every kernel launch. The same property checked on CPU, from
+    AOTAutograd's metadata of every compiled step: the target's verify steps and the head's drafting step (two
+    layers: the second layer's write position is where a misaligned view showed)."""
+    import torch._guards
+    from torch._dynamo.backends.common import aot_autograd
+
+    import inference.runners.compile as compile_module
+
+    graphs, loose = [], []
+
+    def inspect(gm, example_inputs):
+        meta = torch._guards.TracingContext.try_get().fw_metadata
+        assert len(meta.input_info) == len(example_inputs)  # the graph's inputs are the step's, one for one
+        graphs.append(gm)
+        # a CUDA graph keeps a fixed address only for an aligned input (16 bytes): a misaligned one is copied
+        loose.extend(i for i, (info, x) in enumerate(zip(meta.input_info, example_inputs)) if info.mutates_data and (
+            i not in meta.static_input_indices or x.storage_offset() * x.element_size() % 16))
+        return gm
+
+    real = torch.compile
+
+    def compile_inspected(fn, **kwargs):
+        kwargs.pop("options", None)
+        return real(fn, backend=aot_autograd(fw_compiler=inspect), **kwargs)
+
+    monkeypatch.setattr(compile_module.torch, "compile", compile_inspected)
+    target = near_bigram_target("llama", num_layers=2)
+    head = oracle_head(target).attach_target(target)
+    gen = SpeculativeGenerator(target, head, tree="chain", compile=True)
+    gen.warmup(64)
+    for ids in prompts(2, 320, seed=4):
+        assert torch.equal(gen.generate(ids, max_new_tokens=12).sequences,
+                           target.generate(ids, do_sample=False, max_new_tokens=12))
+    assert len(graphs) >= 2 and loose == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

@@ -83,7 +83,7 @@ class HeadDrafter:
         self.close = weakref.finalize(self, release_kernels, head)  # its own linears again, on close() or drop
         self.opt = options
         self.layout = SlotMap(sink, window)
-        self.tree_size = options.tree_size
+        self.tree_size = self.smallest_tree = options.tree_size  # every tree holds all its total_tokens
         self.cache: RowSlotCache | None = None
         self.slot_pos: torch.Tensor | None = None  # (B, capacity) position held by each slot, -1 if none
         self.next_pos: torch.Tensor | None = None  # (B,) pairs fed so far (the root's position)
@@ -92,6 +92,7 @@ class HeadDrafter:
         # a steady drafting step (feed the last verification's pairs, expand every depth, select) as one compiled
         # graph per tree shape and batch size; its many small kernels are called from C++ on CPU. A prompt's
         # feed, whose length varies, runs eagerly.
+        self.compiled = compile
         self._step = (compile_step(self._draft, self.device, cpp_wrapper=self.device.type == "cpu",
                                    name=f"draft{options.depth}_{options.top_k}_{options.total_tokens}")
                       if compile else self._draft)
@@ -139,7 +140,9 @@ class HeadDrafter:
         if self.cache is None or tuple(self.cache.keys.shape) != shape:  # else reused: slot_pos says what is held
             self.cache = RowSlotCache(torch.zeros(shape, dtype=self.dtype, device=device),
                                       torch.zeros(shape, dtype=self.dtype, device=device))
-        self.slot_pos = torch.full((b, self.capacity), -1, dtype=torch.long, device=device)
+            self.slot_pos = torch.empty((b, self.capacity), dtype=torch.long, device=device)
+            self._fix_addresses()
+        self.slot_pos.fill_(-1)
         self.next_pos = torch.zeros(b, dtype=torch.long, device=device)
         lengths = runner.positions  # (B,) prompt tokens of each row
         positions, valid = self.layout.needed(self.next_pos, lengths)
@@ -186,6 +189,14 @@ class HeadDrafter:
         self.cache.keys, self.cache.values = self.cache.keys[rows], self.cache.values[rows]
         self.slot_pos, self.next_pos = self.slot_pos[rows], self.next_pos[rows]
         self.pending = {k: v[rows] for k, v in self.pending.items()}
+        self._fix_addresses()
+
+    def _fix_addresses(self) -> None:
+        """The compiled step writes the KV buffers and slot positions in place: as inputs of fixed address they
+        stay inside its CUDA graph (inductor skips the graph of a step that mutates any other input)."""
+        if self.compiled and not torch.compiler.is_compiling():
+            for t in (self.cache.keys, self.cache.values, self.slot_pos):
+                torch._dynamo.mark_static_address(t)
 
     @torch.inference_mode()
     def admit(self, row: int, runner, ids: torch.Tensor, features: torch.Tensor) -> None:

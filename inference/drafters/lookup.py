@@ -96,6 +96,7 @@ class LookupBranch:
         self.name = "prompt_lookup" if drafter.tree_size == 1 else f"{drafter.name}+lookup"  # alone: beside plain
         self.origin_names = (*drafter.origin_names, "prompt_lookup")
         self.tree_size = drafter.tree_size + nodes
+        self.smallest_tree = getattr(drafter, "smallest_tree", 1)  # no lookup match adds nothing
         self.rows: list[NgramIndex] = []
 
     @property

@@ -119,7 +119,10 @@ def static_cache(model: nn.Module, batch: int, capacity: int) -> StaticCache:
     cache = StaticCache(config=config, max_cache_len=capacity)
     cache.early_initialization(batch, heads, head_dim, ref.dtype, ref.device)
     kv = torch.zeros(2, len(cache.layers), batch, heads, capacity, head_dim, dtype=ref.dtype, device=ref.device)
-    lengths = torch.zeros(len(cache.layers), dtype=cache.layers[0].cumulative_length.dtype, device=ref.device)
+    # each layer's length 16 bytes apart: CUDA graphs keep a fixed address only for an aligned input, and treat a
+    # misaligned one written in place as a mutated input (the graph is skipped)
+    lengths = torch.zeros(len(cache.layers), 16, dtype=torch.uint8, device=ref.device)
+    lengths = lengths.view(cache.layers[0].cumulative_length.dtype)[:, 0]
     for i, layer in enumerate(cache.layers):
         layer.keys, layer.values, layer.cumulative_length = kv[0, i], kv[1, i], lengths[i]
         for t in (layer.keys, layer.values, layer.cumulative_length):  # as StaticLayer does (CUDA graphs)
