@@ -68,14 +68,19 @@ struct Int8Dot : PackedDot<uint8_t, int8_t, int32_t, 4> {
   static Vec dot(Vec c, __m512i a, __m512i b) { return _mm512_dpbusd_epi32(c, a, b); }
 };
 
-// acc (rows, 32) = a (rows, K) · one packed block (K/kPack, 32, kPack)
+// acc (rows, 32) = a (rows, K) · one packed block (K/kPack, 32, kPack); with `next`, the same lines of the next
+// block are fetched into L2 meanwhile
 template <typename T, int kRows>
 void block_dot(const typename T::In* a, int64_t lda, const typename T::Weight* b, int64_t steps,
-               typename T::Sum* acc) {
+               typename T::Sum* acc, const typename T::Weight* next) {
   typename T::Vec c[kRows][2];
   for (int m = 0; m < kRows; ++m) c[m][0] = c[m][1] = (typename T::Vec)_mm512_setzero_si512();
   for (int64_t p = 0; p < steps; ++p) {
     const typename T::Weight* bp = b + p * T::kPack * kBlock;
+    if (next != nullptr) {  // a step reads two cache lines
+      _mm_prefetch(reinterpret_cast<const char*>(next + p * T::kPack * kBlock), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next + p * T::kPack * kBlock + T::kPack * kBlock / 2), _MM_HINT_T1);
+    }
     const __m512i b0 = _mm512_loadu_si512(bp), b1 = _mm512_loadu_si512(bp + T::kPack * kBlock / 2);
 #pragma GCC unroll 8
     for (int m = 0; m < kRows; ++m) {
@@ -91,11 +96,13 @@ void block_dot(const typename T::In* a, int64_t lda, const typename T::Weight* b
 }
 
 // a (m_total, K) · packed (N/32, K/kPack, 32, kPack)ᵀ, block by block; finish(acc, row, col) turns each row's 32
-// sums of the block at column `col` into outputs
+// sums of the block at column `col` into outputs. Past 8 rows, the groups after the first compute from cache: the
+// last one fetches the next block meanwhile, so that the memory stream does not stop while they compute.
 template <typename T, typename Finish>
 void multiply(const typename T::In* a, int64_t m_total, int64_t k, const typename T::Weight* packed, int64_t blocks,
               Finish finish) {
-  using BlockDot = void (*)(const typename T::In*, int64_t, const typename T::Weight*, int64_t, typename T::Sum*);
+  using BlockDot = void (*)(const typename T::In*, int64_t, const typename T::Weight*, int64_t, typename T::Sum*,
+                            const typename T::Weight*);
   static const BlockDot kBlockDot[kMaxRows + 1] = {nullptr,         block_dot<T, 1>, block_dot<T, 2>,
                                                    block_dot<T, 3>, block_dot<T, 4>, block_dot<T, 5>,
                                                    block_dot<T, 6>, block_dot<T, 7>, block_dot<T, 8>};
@@ -104,7 +111,9 @@ void multiply(const typename T::In* a, int64_t m_total, int64_t k, const typenam
     for (int64_t blk = first; blk < last; ++blk) {
       for (int64_t m0 = 0; m0 < m_total; m0 += kMaxRows) {
         const int rows_now = static_cast<int>(std::min<int64_t>(kMaxRows, m_total - m0));
-        kBlockDot[rows_now](a + m0 * k, k, packed + blk * k * kBlock, k / T::kPack, acc);
+        const bool fetch = m0 > 0 && m0 + kMaxRows == m_total && blk + 1 < last;
+        kBlockDot[rows_now](a + m0 * k, k, packed + blk * k * kBlock, k / T::kPack, acc,
+                            fetch ? packed + (blk + 1) * k * kBlock : nullptr);
         for (int m = 0; m < rows_now; ++m) finish(acc + m * kBlock, m0 + m, blk * kBlock);
       }
     }
