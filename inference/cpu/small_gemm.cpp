@@ -96,8 +96,9 @@ void block_dot(const typename T::In* a, int64_t lda, const typename T::Weight* b
 }
 
 // a (m_total, K) · packed (N/32, K/kPack, 32, kPack)ᵀ, block by block; finish(acc, row, col) turns each row's 32
-// sums of the block at column `col` into outputs. Past 8 rows, the groups after the first compute from cache: the
-// last one fetches the next block meanwhile, so that the memory stream does not stop while they compute.
+// sums of the block at column `col` into outputs. Past 8 rows, the groups after the first compute from cache: a
+// last group of a full 8 rows fetches the next block meanwhile, so that the memory stream goes on while it computes
+// (a shorter group ends too soon, and fetching from it measured slower).
 template <typename T, typename Finish>
 void multiply(const typename T::In* a, int64_t m_total, int64_t k, const typename T::Weight* packed, int64_t blocks,
               Finish finish) {
