@@ -194,7 +194,7 @@ class HeadDrafter:
     def _fix_addresses(self) -> None:
         """The compiled step writes the KV buffers and slot positions in place: as inputs of fixed address they
         stay inside its CUDA graph (inductor skips the graph of a step that mutates any other input)."""
-        if self.compiled and not torch.compiler.is_compiling():
+        if self.compiled:  # (begin and keep_rows run eagerly, from the decode loop)
             for t in (self.cache.keys, self.cache.values, self.slot_pos):
                 torch._dynamo.mark_static_address(t)
 

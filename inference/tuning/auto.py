@@ -179,8 +179,11 @@ def tuned_tree(model: nn.Module, head: DraftHead, tokenizer: Any, runner: Any, c
                                 "plain_tokens_per_s": cached.plain_tokens_per_s, "tokens_per_s": cached.tokens_per_s,
                                 "tuning_s": time.perf_counter() - start, "estimate_s": estimate, "report": report})
     if cached.tree is None:
-        then = f"drafting by prompt lookup alone (up to {cached.lookup_tokens} tokens copied from the context), " \
-            "which measured faster than plain decoding" if cached.lookup_tokens else "decoding without speculation"
-        print("[drafthead] tree='auto': plain decoding measured faster than every draft tree on this machine; "
-              f"{then}", file=sys.stderr)
+        if cached.lookup_tokens:
+            then = (f"drafting by prompt lookup alone (up to {cached.lookup_tokens} tokens copied from the context), "
+                    "which measured faster than plain decoding")
+        else:
+            then = "decoding without speculation"
+        print("[drafthead] tree='auto': plain decoding measured faster than every draft tree on this machine; " + then,
+              file=sys.stderr)
     return cached
