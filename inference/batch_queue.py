@@ -1,10 +1,8 @@
 """A queue of prompts decoded with continuous batching (offline batch inference: data regeneration, evaluation).
 
-The first `batch_size` prompts are prefilled together and decoded as a batch (decode.py); each time a row finishes,
-the next prompt in the queue takes its place (runner.admit), so the batch stays full until the queue runs dry, instead
-of shrinking to its slowest rows as a fixed batch does. The waiting prompts are prefilled on demand, `group` at a
-time (left-padded), by a second runner over the same model whose buffers hold only that group: the queue's KV is
-never held in memory all at once. Outputs come back in the queue's order.
+Each time a row of the batch finishes, the next prompt takes its place (runner.admit), so the batch stays full
+until the queue runs dry. Waiting prompts are prefilled on demand, `group` at a time, by a second runner whose
+buffers hold only that group, so the queue's KV is never in memory at once. Outputs come back in the queue's order.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The drafter protocol: what fills the verification trees of a batch (B rows; batch 1 is B = 1).
 
-The decode loop (decode.py) owns the target runner, the verification rule (verify.py) and the stop handling; a
-drafter owns only its own state (a head's KV, a draft model's KV, n-gram indexes) and may read the target runner's
-buffers (a self-speculative draft refreshes its KV from them):
+The decode loop (decode.py) owns the target runner, the verification rule and the stop handling; a drafter owns
+only its own state (a head's KV, a draft model's KV, n-gram indexes) and may read the target runner's buffers:
 
     begin(runner, input_ids, attention_mask, features)  after the target's prefill of left-padded prompts; features
                                                         (B, T, F): the target's outputs at `feature_layers`, or None
@@ -12,16 +11,8 @@ buffers (a self-speculative draft refreshes its KV from them):
     keep_rows(rows)                                     rows finished: keep only `rows` (indices)
     admit(row, runner, ids, features)                   row `row` holds a new prompt (ids (T,), features (T, F))
 
-A proposed DraftTree (tree.py) holds each row's tokens, parents, depths and ancestors; for speculative sampling
-with a stochastic drafter also `q`, the distribution each node was drawn from (deterministic drafters leave it None:
-their nodes are point masses); and optionally `origin`, a bit mask per node naming the drafters (`origin_names`)
-that proposed it, for per-drafter acceptance statistics. Trees of one step share a size; the size may change from
-step to step (the runner pads it to its next verify bucket), up to `tree_size`; a drafter whose trees never go
-below a size may say so in `smallest_tree` (optional, 1 when absent), and warmup compiles no bucket below it.
-
-Drafters: PlainDrafter (here: no draft, plain decoding), HeadDrafter (eagle.py, an EAGLE head's dynamic trees,
-full or windowed KV), LookupBranch (lookup.py: prompt lookup alone, or beside another drafter's trees),
-DraftModelDrafter (draft_model.py) and StreamingSelfDrafter (self_draft.py, MagicDec).
+Trees of one step share a size, which may change from step to step up to `tree_size`; `smallest_tree` (optional,
+1 when absent) bounds it from below, and warmup compiles no verify bucket below it.
 """
 
 from __future__ import annotations
@@ -38,8 +29,8 @@ from .tree import DraftTree
 
 @dataclass
 class Accepted:
-    """One verification's outcome for every row: device tensors padded with -1 after each row's `counts`, and the
-    same on the host (the loop's one transfer of the step). A finished row has count 0."""
+    """One verification's outcome for every row: device tensors padded with -1 after each row's `counts` (0 for a
+    finished row), and the same on the host."""
 
     paths: torch.Tensor  # (B, W) accepted tree indices, root first
     tokens: torch.Tensor  # (B, W) the accepted drafted tokens, then the bonus token (the next root)
@@ -59,20 +50,15 @@ class Accepted:
 
 @runtime_checkable
 class Drafter(Protocol):
-    """See the module docstring. A class that subclasses it inherits the defaults of a drafter without state: no
-    session, and begin, skip, accept, keep_rows and admit doing nothing."""
+    """See the module docstring. A subclass inherits the defaults of a stateless drafter (no-op methods)."""
 
     name: str
     tree_size: int  # the largest tree propose() returns (root included): the runner's buffers make room for it
     origin_names: tuple[str, ...]  # bit i of DraftTree.origin = origin_names[i]
-
-    @property
-    def feature_layers(self) -> list[int]:
-        """Target decoder layers whose outputs the drafter reads ([] for none)."""
-        ...
+    feature_layers: list[int]  # target decoder layers whose outputs the drafter reads ([] for none)
 
     def session(self) -> contextlib.AbstractContextManager:
-        """Context around one generation (a draft model's attention kernel, as the target runner's session)."""
+        """Context around one generation (e.g. a draft model's attention kernel)."""
         return contextlib.nullcontext()
 
     def begin(self, runner, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -91,8 +77,7 @@ class Drafter(Protocol):
 
 
 class PlainDrafter(Drafter):
-    """Drafts nothing: every tree is the root alone, so the loop decodes one token per target step (the engine's
-    own plain decoding, the baseline that separates what the runner buys from what speculation buys)."""
+    """Drafts nothing: every tree is the root alone (the engine's own plain decoding baseline)."""
 
     name = "none"
     tree_size = 1

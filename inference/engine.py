@@ -5,12 +5,9 @@ forward, repeat, for every row of a batch at once (batch 1 is B = 1). The comman
     out = gen.generate(input_ids, max_new_tokens=128, temperature=0.0)
     out.sequences  # (B, prompt + new) ; out.stats.mean_accepted, out.stats.tokens_per_s, ...
 
-The drafter (drafter.py; drafters/) is an EAGLE head's dynamic tree, a smaller draft model, prompt lookup, the head
-plus the prompt-lookup branch (hybrid), or the target itself with a streaming KV (self-speculation); the runner
-(runners/) holds the target's KV; the loop (decode.py) verifies, commits and stops for all of them.
-Lossless: greedy output equals the target's own greedy decoding; sampled tokens follow the target's processed
-distribution exactly (see verify.py). Stops (eos, stop strings, max_new_tokens) may land inside an accepted path;
-the path is then cut where plain decoding would have stopped.
+The drafters live in drafters/, the target's runners in runners/, the loop that verifies, commits and stops for all
+of them in decode.py. Greedy output equals the target's own greedy decoding; sampled tokens follow the target's
+processed distribution exactly (verify.py), and a stop inside an accepted path cuts it where plain decoding would.
 """
 
 from __future__ import annotations
@@ -70,28 +67,16 @@ class QueueOutput:
 
 
 class SpeculativeGenerator:
-    """A frozen target plus a drafter (drafter.py); see the module docstring.
+    """A frozen target plus a drafter; from_pretrained documents the arguments they share (tree, hybrid,
+    lookup_tokens / lookup_nodes, draft_kv / sink / window, speculate, compile, profile).
 
-    draft: a DraftHead (EAGLE-2 dynamic trees with the `tree` options; hybrid=True adds the prompt-lookup branch of
-    up to `lookup_tokens` tokens, at most `lookup_nodes` of them new nodes a row), a StreamingSelfDrafter (hybrid
-    adds the branch to its chains too), or any drafter.Drafter (prompt_lookup(), DraftModelDrafter, ...).
-    tree="none" (draft ignored, may be None): plain greedy/sampled decoding on the same runner (the baseline that
-    separates what the runner buys from what speculation buys); with hybrid=True, prompt lookup alone. tree="auto"
-    (a head): the tree tuned for this target, head, machine and dtype (tuning/auto.py: measured once, a notice
-    first, then cached on disk), and, when hybrid is None, whether the prompt-lookup branch pays (beside the tree,
-    or alone where no tree beat plain decoding); it needs the tokenizer (without one, the "cpu" preset).
-
-    speculate: "always", or "auto": speculate only on the steps where its measured cost pays and take plain steps
-    on the others (switch.py); or a SpeculationSwitch of one's own. The output is the same either way.
-
-    runner: "static" (preallocated KV buffers, fixed-shape verify buckets; runners/static.py), "eager" (any HF
-    causal LM, one row, DynamicCache; runners/eager.py) or "auto" (static where the architecture allows, else eager
-    with a one-line message), or a runner object to share (the benchmark shares one among its methods). compile:
-    torch.compile the runner's verify steps (CUDA graphs on CUDA); "auto" compiles on CUDA, and on a CPU with
-    tree="auto" (the tuned fast path): there every step shape compiles for minutes (a notice says so first), paid
-    back over long runs; other trees stay uncompiled on a CPU unless compile=True. The
-    runner, its buffers and its compiled graphs live as long as the generator. profile=True waits for the device
-    between drafting and verification, so that stats split their times on CUDA (CPU steps are synchronous).
+    draft: a DraftHead (EAGLE-2 dynamic trees shaped by `tree` and the depth / top_k / total_tokens overrides), a
+    StreamingSelfDrafter, any drafter.Drafter (prompt_lookup(), DraftModelDrafter, ...) or None with tree="none".
+    tree="auto" needs the tokenizer (without one: the "cpu" preset). speculate may also be a SpeculationSwitch of
+    one's own. runner: "static" (preallocated KV buffers, fixed-shape verify buckets; runners/static.py), "eager" (any
+    HF causal LM, one row, DynamicCache; runners/eager.py), "auto" (static where the architecture allows, else eager
+    with a one-line message) or a runner object to share (the benchmark shares one among its methods). The runner,
+    its buffers and its compiled graphs live as long as the generator.
     """
 
     def __init__(self, target: nn.Module, draft: DraftHead | Drafter | None, tokenizer: Any = None,
@@ -268,27 +253,31 @@ class SpeculativeGenerator:
         top_k: int | None = None,
     ) -> "SpeculativeGenerator":
         """target: HF folder/name, a GGUF file (its Q8_0 / Q4_1 blocks kept for the decoding steps in float32 on an
-        AVX2 CPU: cpu/gguf_weights.py) or a loaded causal LM. device: "auto" (CUDA when present, else CPU; a loaded model
-        stays where it is) or a device. dtype: a name or torch dtype; "fast" (bf16 on CUDA and on CPUs with native
-        bf16, else fp32); "auto" (the checkpoint's, as in transformers); None (the default): "fast" for a checkpoint,
-        a loaded model keeps its own. tree: "auto" (the default: tuned for this target, head, machine and dtype once,
-        then cached on disk; see __init__), a preset ("cpu", "gpu", "chain"), "depth,branching,total_tokens", a
-        TreeOptions or "none"; depth / branching (children per node; top_k= is its deprecated name) / total_tokens
-        override it. draft: a head folder (native or exported) or DraftHead;
-        a smaller causal LM's folder (or model) sharing the target's tokenizer, drafting chains of `gamma` tokens;
-        "prompt-lookup" (chains of up to `lookup_tokens` tokens copied from the context); "self" (the target drafts
-        chains of `gamma` tokens for itself with a StreamingLLM KV of `sink` + `window` positions: MagicDec,
-        self_draft.py); a Drafter; or None with tree="none". hybrid=True adds the prompt-lookup branch to a head's tree
-        or to the self-draft's chains (at most `lookup_nodes` of its `lookup_tokens` join each row's tree,
-        where the chain leaves the drafter's nodes: drafters/lookup.py). draft_kv="streaming" gives a head the same sink +
-        window KV (the draft for long contexts). Raises drafthead.HeadMismatchError when a head was made for another
-        target, TokenizerMismatchError when a draft model uses another tokenizer. draft_vocab=N: a head or the
-        self-draft proposes only the N tokens that ShareGPT's assistant turns (the asset cache, draft_vocab.py) use most
-        (a head's lm_head rows are pruned; the self-draft computes only those rows of the target's lm_head); output
-        stays lossless. speculate="auto": speculate only on the steps where its measured cost pays, taking plain steps
-        on the others (switch.py); "always"
-        speculates on every step. draft_weights="int8" (self-speculation): the draft multiplies with an int8 copy of the
-        target's weights (half the bytes a draft step reads; the target verifies with its own: still lossless)."""
+        AVX2 CPU: cpu/gguf_weights.py) or a loaded causal LM. device: "auto" (CUDA when present, else CPU; a loaded
+        model stays where it is) or a device. dtype: a name or torch dtype; "fast" (bf16 on CUDA and on CPUs with
+        native bf16, else fp32); "auto" (the checkpoint's, as in transformers); None (the default): "fast" for a
+        checkpoint, a loaded model keeps its own.
+        draft: a head folder (native or exported) or DraftHead; a smaller causal LM's folder (or model) sharing the
+        target's tokenizer, drafting chains of `gamma` tokens; "prompt-lookup" (chains of up to `lookup_tokens`
+        tokens copied from the context); "self" (the target drafts chains of `gamma` tokens for itself with a
+        StreamingLLM KV of `sink` + `window` positions: MagicDec, self_draft.py); a Drafter; or None with tree="none".
+        Raises drafthead.HeadMismatchError for a head made for another target, TokenizerMismatchError for a draft
+        model with another tokenizer.
+        tree: "auto" (the default: the tree tuned once for this target, head, machine and dtype, then cached on disk,
+        tuning/auto.py; with hybrid=None it also decides whether the prompt-lookup branch pays), a preset ("cpu",
+        "gpu", "chain"), "depth,branching,total_tokens", a TreeOptions, or "none": plain decoding on the same runner
+        (the baseline that separates what the runner buys from what speculation buys; with hybrid=True, prompt
+        lookup alone). depth / branching (children per node; top_k= is its deprecated name) / total_tokens override it.
+        hybrid=True adds the prompt-lookup branch to a head's tree or to the self-draft's chains (at most
+        `lookup_nodes` of its `lookup_tokens` join each row's tree: drafters/lookup.py). draft_kv="streaming" gives a
+        head the same sink + window KV (the draft for long contexts). draft_vocab=N: a head or the self-draft
+        proposes only the N tokens ShareGPT's assistant turns use most (tuning/draft_vocab.py); still lossless.
+        draft_weights="int8" (self-speculation): the draft multiplies with an int8 copy of the target's weights.
+        speculate="auto": speculate only on the steps where its measured cost pays, plain steps on the others
+        (switch.py); "always" speculates on every step; the output is the same either way.
+        compile: torch.compile the runner's verify steps (CUDA graphs on CUDA); "auto" compiles on CUDA, and on a CPU
+        with tree="auto" (every step shape then compiles for minutes, after a notice). profile=True waits for the
+        device between drafting and verification, so that stats split their times on CUDA."""
         if top_k is not None:
             warnings.warn("from_pretrained(top_k=) is now branching= (top_k is sampling's, in generate); "
                           "top_k= goes in the next release", DeprecationWarning, stacklevel=2)

@@ -1,17 +1,13 @@
 """Batched decoding that speculates only while it pays: each step, speculate or take a plain step, by measured cost.
 
-Why: a batched speculative step costs the drafting (one forward of the draft per depth, for the whole batch at once)
-plus one verification of every row's draft, and it pays only while the rows accept enough of it. Where a plain step
-is cheap next to that (a short context, whose KV is cheap to read) or when the rows left accept little (the tail of
-a fixed batch, where the slowest rows finish alone), a plain step, every row's root verified alone, delivers more
-tokens a second. Both kinds of step are exact (a plain step is the verification of a tree holding only the root),
-so the output does not depend on the choice: only the speed does.
+A speculative step costs the drafting plus one verification of every row's draft, and pays only while the rows
+accept enough of it; with a short context (cheap KV) or a tail of rows that accept little, a plain step (each row's
+root verified alone) delivers more tokens a second. Both kinds are exact, so the choice changes the speed only.
 
-The switch keeps, per number of rows in use, the seconds of recent steps of each kind (the least of the last few,
-so a step that compiled a graph or met a slow spell stops counting), and per request its tokens per speculative
-step (a running mean). It speculates when the rows' expected tokens per speculative second beat the rows per plain
-second. A kind not yet measured at the current number of rows is tried once (speculation first); the kind not
-chosen is tried again every `recheck_every` steps, as costs and acceptance drift.
+The switch keeps, per number of rows in use, the least of the last few step times of each kind (a step that compiled
+a graph or met a slow spell stops counting), and per request a running mean of its tokens per speculative step; it
+speculates when the expected tokens per speculative second beat the rows per plain second. A kind not yet measured
+is tried once (speculation first); the other kind is tried again every `recheck_every` steps.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""The verification tree (one type for every drafter and batch size) and the EAGLE-2 tree search.
-
-A DraftTree holds one tree per row of a batch, all of one size, so the target verifies every row's tree in one
-forward. Drafters build chains (DraftTree.chain) or search EAGLE-2 dynamic trees: expand_tree grows every row's
-top_k frontier depth by depth (one head forward per depth for the whole batch), select_tree keeps each row's best
-`total_tokens` candidates by cumulative draft log-prob; a child's score is never above its parent's and a stable
-sort puts parents first on ties, so the kept set is always a tree.
-"""
+"""The verification tree (one type for every drafter and batch size) and the EAGLE-2 tree search: expand_tree
+grows every row's top_k frontier depth by depth, select_tree keeps each row's best `total_tokens` candidates."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 import torch
@@ -17,8 +11,8 @@ import torch
 
 @dataclass(frozen=True)
 class TreeOptions:
-    """depth: max drafted tokens on a path (= head forwards per draft); top_k: children per expanded node and
-    nodes expanded per depth; total_tokens: drafted nodes sent to the target (the root comes on top)."""
+    """depth: max drafted tokens on a path; top_k: children per expanded node and nodes expanded per depth;
+    total_tokens: drafted nodes sent to the target (plus the root)."""
 
     depth: int = 5
     top_k: int = 8
@@ -30,8 +24,7 @@ class TreeOptions:
 
     @property
     def tree_size(self) -> int:
-        """Nodes of every verification tree (root included): the budget, or all candidates if there are fewer
-        (top_k at depth 1, top_k² at each further depth). Constant per option set, so one verify shape."""
+        """Nodes of every verification tree (root included): the budget, or all candidates if there are fewer."""
         candidates = self.top_k + (self.depth - 1) * self.top_k**2
         return 1 + min(self.total_tokens, candidates)
 
@@ -46,8 +39,7 @@ TREE_PRESETS = {
 def tree_options(tree: str | TreeOptions | None = "cpu", **overrides: int | None) -> TreeOptions:
     """A preset by name ("cpu", "gpu", "chain"), "depth,top_k,total_tokens", or a TreeOptions, with
     depth/top_k/total_tokens overrides."""
-    if tree is None:
-        tree = "cpu"
+    tree = "cpu" if tree is None else tree
     if isinstance(tree, str) and "," in tree:  # "depth,top_k,total_tokens", e.g. "2,4,3"
         try:
             depth, top_k, total = (int(x) for x in tree.split(","))
@@ -63,9 +55,8 @@ def tree_options(tree: str | TreeOptions | None = "cpu", **overrides: int | None
 
 @dataclass
 class DraftTree:
-    """One verification tree per row of a batch, all of the same size n (a batch verifies every row's tree in one
-    target forward). Node 0 is each row's root; parents come before children (so ancestors[b, i] in index order is
-    the path to i)."""
+    """One verification tree per row of a batch, all of size n. Node 0 is each row's root; parents come before
+    children."""
 
     tokens: torch.Tensor  # (B, n) target token ids, root first
     parents: torch.Tensor  # (B, n) parent index, -1 at the root
@@ -81,17 +72,14 @@ class DraftTree:
 
     def row(self, i: int) -> "DraftTree":
         """Row i alone, as a one-row tree."""
-        pick = slice(i, i + 1)
-        return DraftTree(*(None if t is None else t[pick] for t in (self.tokens, self.parents, self.depths,
-                                                                     self.ancestors, self.scores, self.q,
-                                                                     self.origin)))
+        values = (getattr(self, f.name) for f in fields(self))
+        return DraftTree(*(None if t is None else t[i: i + 1] for t in values))
 
     @staticmethod
     def chain(roots: torch.Tensor, drafted: torch.Tensor | None = None, q: torch.Tensor | None = None,
               origin: int | None = None) -> "DraftTree":
-        """Every row a chain: its root (B,), then drafted (B, g) each the child of the one before; q (B, g, V) the
-        distribution each drafted token was sampled from; origin: one bit mask for every drafted node. No drafts:
-        plain decoding (the root alone)."""
+        """Every row a chain: its root (B,), then drafted (B, g) (None: the root alone); q (B, g, V) the
+        distribution each drafted token was sampled from; origin: one bit mask for every drafted node."""
         b = roots.shape[0]
         if drafted is None:
             drafted = roots.new_zeros(b, 0)
@@ -122,12 +110,10 @@ def ancestor_matrix(parents: torch.Tensor, steps: int) -> torch.Tensor:
 def expand_tree(scores: torch.Tensor, tokens: torch.Tensor, last_hidden: torch.Tensor, depth: int,
                 step: Callable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """EAGLE-2 expansion for B rows at once. scores, tokens (B, k): depth 1 (cumulative log-probs, target ids);
-    last_hidden (B, 1, H): the head output they came from. At every further depth d the k best frontier nodes of
-    each row go through the head in ONE forward: step(d, f, frontier_tokens (B, k), parent_hidden (B, k, H),
-    rows (B, k, f+k)) with `rows` saying which of the f drafted nodes fed so far, and of this depth's k, each node
-    attends (its fed ancestors and itself); it returns (out (B, k, H), child log-probs (B, k, k'), child target ids
-    (B, k, k')). Returns every candidate's cumulative log-prob, token, parent candidate (-1: the root) and depth,
-    each (B, N). A child's score is never above its parent's."""
+    last_hidden (B, 1, H): the head output they came from. At each further depth d, one forward for the batch:
+    step(d, f, frontier_tokens (B, k), parent_hidden (B, k, H), rows (B, k, f+k): which of the f nodes fed so far
+    and of this depth's k each node attends) -> (out (B, k, H), child log-probs and target ids (B, k, k')).
+    Returns every candidate's cumulative log-prob, token, parent candidate (-1: the root) and depth, each (B, N)."""
     b, k = scores.shape
     device = scores.device
     cand_scores, cand_tokens = [scores], [tokens]
@@ -167,9 +153,9 @@ def expand_tree(scores: torch.Tensor, tokens: torch.Tensor, last_hidden: torch.T
 
 def select_tree(roots: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
                 depths: torch.Tensor, keep: int, max_depth: int) -> tuple[torch.Tensor, ...]:
-    """Each row keeps its best `keep` candidates of expand_tree (stable sort: parents before children on ties),
-    under its root (B,). Returns the trees' tokens (B, n), parents (B, n), depths (B, n), ancestors (B, n, n) and
-    cumulative scores (B, n), root first."""
+    """Each row keeps its best `keep` candidates of expand_tree under its root (B,); a child never outscores its
+    parent and the stable sort puts parents first on ties, so the kept set is a tree. Returns its tokens, parents,
+    depths (B, n), ancestors (B, n, n) and cumulative scores (B, n), root first."""
     b, num = scores.shape
     device = scores.device
     keep = min(keep, num)

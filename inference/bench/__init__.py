@@ -4,12 +4,9 @@
         [--compare-tree gpu] [--num-prompts 80] [--max-new-tokens 128] [--dtype bfloat16] --out bench.json
 
 Spec-Bench conventions: batch 1, the target's chat template, warm-up runs, wall time of the whole generate call
-(prefill included), tokens/s per prompt. Methods run interleaved prompt by prompt, so drift hits all alike.
-speedup = mean tokens/s of a method / mean tokens/s of plain transformers `generate` on the same prompts.
-Greedy outputs are compared token by token with plain decoding; a divergence is a "near tie" when the two tokens'
-logits at that step are within one bf16 step of the top, or within what low precision can move them as measured
-against a float32 copy of the target at that position (inference.ties); otherwise a real mismatch.
-Writes JSON (and a PNG plot with --plot).
+(prefill included), methods interleaved prompt by prompt so drift hits all alike. speedup = mean tokens/s of a
+method / that of plain transformers `generate`. A greedy divergence from plain decoding is a near tie
+(inference.bench.ties) or a real mismatch. Writes JSON and a PNG plot.
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ import os
 import platform
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +75,8 @@ def chat_ids(tokenizer: Any, prompt: str, device: torch.device) -> torch.Tensor:
 
 
 class Method:
-    """One decoding method. build(target, head) -> run, a callable (input_ids) -> (new token list, stats | None);
-    kept so the same method can be rebuilt on a float32 copy of the target to replay a divergence."""
+    """One decoding method: build(target, head) -> run, (input_ids) -> (new tokens, stats | None); build is kept to
+    replay a divergence on a float32 copy of the target."""
 
     def __init__(self, name: str, build, model, head, depth: int | None = None):
         self.name, self.build, self.depth = name, build, depth  # depth: the tree depth of a speculative method
@@ -113,8 +111,8 @@ def spec_method(gen: SpeculativeGenerator, max_new_tokens: int, temperature: flo
     return run
 
 
-def summarise(method: Method, plain_tps: float | None, depth: int | None) -> dict:
-    rows = method.rows
+def summarise(method: Method, plain_tps: float | None) -> dict:
+    rows, depth = method.rows, method.depth
     tps = [r["tokens_per_s"] for r in rows]
     summary = {
         "tokens_per_s": statistics.fmean(tps),
@@ -132,18 +130,15 @@ def summarise(method: Method, plain_tps: float | None, depth: int | None) -> dic
         summary["accept_histogram"] = accept_histogram(lengths)
         # acceptance by depth: share of steps whose accepted draft (bonus excluded) reaches depth d
         summary["acceptance_by_depth"] = [sum(n - 1 >= d for n in lengths) / steps for d in range(1, (depth or 0) + 1)]
-        drafted, accepted = {}, {}
+        drafted, accepted = Counter(), Counter()
         for s in stats:
-            for name, n in s.get("drafted_by", {}).items():
-                drafted[name] = drafted.get(name, 0) + n
-                accepted[name] = accepted.get(name, 0) + s["accepted_by"].get(name, 0)
+            drafted.update(s.get("drafted_by", {}))
+            accepted.update(s.get("accepted_by", {}))
         if drafted:  # per drafter: share of its proposed nodes accepted, and accepted tokens per step
             summary["acceptance_by_drafter"] = {k: accepted[k] / max(drafted[k], 1) for k in drafted}
             summary["accepted_per_step_by_drafter"] = {k: accepted[k] / steps for k in drafted}
-        draft_s = sum(s["draft_time_s"] for s in stats)
-        verify_s = sum(s["verify_time_s"] for s in stats)
-        prefill_s = sum(s["prefill_time_s"] for s in stats)
-        total_s = sum(s["total_time_s"] for s in stats)
+        draft_s, verify_s, prefill_s, total_s = (sum(s[f"{part}_time_s"] for s in stats)
+                                                  for part in ("draft", "verify", "prefill", "total"))
         summary["ms_per_step"] = {
             "draft": 1000 * draft_s / steps,
             "verify": 1000 * verify_s / steps,
@@ -155,9 +150,8 @@ def summarise(method: Method, plain_tps: float | None, depth: int | None) -> dic
 
 def choose_tree(args, model, head, tokenizer, inputs, runner,
                 vocab_heads: dict | None = None) -> tuple[TreeOptions | None, dict, Any]:
-    """The tree of the main speculative method: a preset, or `auto` (tuned on this hardware and runner; None when
-    plain decoding on the same runner was measured faster than every tree in the tuning trial), and the head to
-    draft it with (with `--draft-vocab auto`, the vocabulary size measured fastest on that tree)."""
+    """(tree of the main speculative method, its JSON, the head to draft it with): a preset, or `auto` (tuned here;
+    None when plain decoding measured fastest); with `--draft-vocab auto`, the head of the fastest vocabulary."""
     if args.prompts == "mt_bench":  # the last MT-bench prompts (in an 80-prompt run they are also measured)
         calib = [chat_ids(tokenizer, p, inputs[0].device)
                  for p in load_prompts("mt_bench", None)[-args.calibration_prompts:]]
@@ -212,8 +206,8 @@ def parse_methods(spec: str) -> list[str]:
 
 def build_methods(args, model, head, tokenizer, eos, runner, options: TreeOptions | None, tree_info: dict,
                   full_head=None, draft_model=None) -> list[Method]:
-    """The methods named by --methods (see METHODS). Engine methods share one runner (one set of KV buffers and
-    compiled graphs); a float32 replay builds them afresh on the reference model."""
+    """The methods named by --methods (see METHODS). Engine methods share one runner (KV buffers, compiled graphs);
+    a float32 replay builds them afresh on the reference model."""
     wanted = parse_methods(args.methods)
 
     def engine(tree: str | TreeOptions | None, drafter=None, **extra):
@@ -275,8 +269,8 @@ def build_methods(args, model, head, tokenizer, eos, runner, options: TreeOption
 
 
 def warm_up(methods: list[Method], inputs: list[torch.Tensor], args) -> dict:
-    """Size the engine's buffers for the longest prompt and run every method once (allocator, kernels, and the
-    one-time compile of each verify shape, timed and reported apart from the prompts)."""
+    """Size the engine's buffers for the longest prompt and run every method --warmup times; returns the engines'
+    one-time compile times, reported apart from the prompts."""
     longest = max(ids.shape[1] for ids in inputs) + args.max_new_tokens
     compile_s = {}
     for m in methods:
@@ -291,10 +285,8 @@ def warm_up(methods: list[Method], inputs: list[torch.Tensor], args) -> dict:
 
 
 def load_drafts(args, model, tokenizer) -> tuple[Any, Any, Any, dict | None]:
-    """(head, unpruned head, draft model, vocabulary candidates) as the methods need them: the head from --draft
-    (pruned to --draft-vocab; with `auto`, to AUTO_TUNING_SIZE, else the smallest size tried, while the tree is
-    tuned, and the candidates {size: head} are what the tuner then tries), the draft model from --draft-model
-    (checked against the target's tokenizer)."""
+    """(head, unpruned head, draft model, {size: head} vocabulary candidates) as the methods need them. The head is
+    pruned to --draft-vocab; with `auto`, to AUTO_TUNING_SIZE (else the smallest size) while the tree is tuned."""
     wanted = set(parse_methods(args.methods))
     head = full_head = draft_model = vocab_heads = None
     if wanted & {"speculative", "compare", "hybrid"}:
@@ -316,15 +308,22 @@ def load_drafts(args, model, tokenizer) -> tuple[Any, Any, Any, dict | None]:
 
 
 def run_bench(args: argparse.Namespace, on_prompt=None) -> dict:
-    """Measure every method on every prompt, interleaved; `on_prompt(result)` receives the summary so far after
-    each prompt (the CLI writes it to disk, so a killed run keeps what it measured)."""
+    """Measure every method on every prompt, interleaved; `on_prompt(result)` gets the summary so far after each
+    prompt (so a killed run keeps what it measured)."""
     from tqdm import tqdm
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    model, tokenizer, inputs = load_target_and_prompts(args, device, dtype)
+    model, tokenizer = load_causal_lm(args.target, dtype, what="target")
+    model = model.to(device).eval()
+    if tokenizer is None:
+        raise SystemExit(f"no tokenizer in {args.target}: the prompts need the target's chat template")
+    prompts = load_prompts(args.prompts, args.num_prompts, args.category)
+    if not prompts:
+        raise SystemExit(f"no prompts in {args.prompts}" + (f" of category {args.category!r}" if args.category else ""))
+    inputs = [chat_ids(tokenizer, p, device) for p in prompts]
     methods, setup, head = prepare_methods(args, model, tokenizer, inputs)
     divergences = DivergenceLog(model, head, dtype, methods[0])
     result = {}
@@ -336,21 +335,8 @@ def run_bench(args: argparse.Namespace, on_prompt=None) -> dict:
     return result
 
 
-def load_target_and_prompts(args, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any, list[torch.Tensor]]:
-    """The target model, its tokenizer, and the prompts as chat-templated ids."""
-    model, tokenizer = load_causal_lm(args.target, dtype, what="target")
-    model = model.to(device).eval()
-    if tokenizer is None:
-        raise SystemExit(f"no tokenizer in {args.target}: the prompts need the target's chat template")
-    prompts = load_prompts(args.prompts, args.num_prompts, args.category)
-    if not prompts:
-        raise SystemExit(f"no prompts in {args.prompts}" + (f" of category {args.category!r}" if args.category else ""))
-    return model, tokenizer, [chat_ids(tokenizer, p, device) for p in prompts]
-
-
 def prepare_methods(args, model, tokenizer, inputs: list[torch.Tensor]) -> tuple[list[Method], dict, Any]:
-    """Drafts, the shared runner, the tree (tuned when auto), the methods, and their warm-up (compiles). Returns
-    (methods, the setup part of the JSON, the head or None)."""
+    """Drafts, shared runner, tree, methods and their warm-up: (methods, the setup part of the JSON, head | None)."""
     device = next(model.parameters()).device
     args.compile = compile_setting(args.compile, device)
     head, full_head, draft_model, vocab_heads = load_drafts(args, model, tokenizer)
@@ -371,8 +357,7 @@ def prepare_methods(args, model, tokenizer, inputs: list[torch.Tensor]) -> tuple
 
 def measure_prompt(i: int, ids: torch.Tensor, methods: list[Method], divergences: "DivergenceLog",
                    greedy: bool) -> None:
-    """Run every method on one prompt (plain first), timing the whole call; greedy outputs are compared with
-    plain decoding's and every divergence is classified."""
+    """Run and time every method on one prompt (plain first); greedy divergences from plain go to `divergences`."""
     plain_tokens = None
     for m in methods:
         start = time.perf_counter()
@@ -391,8 +376,8 @@ def measure_prompt(i: int, ids: torch.Tensor, methods: list[Method], divergences
 
 
 class DivergenceLog:
-    """Greedy divergences from plain decoding, each classified (inference.ties); one that is no near-tie is
-    replayed in float32 with both methods. The float32 copies of target and head are made at the first need."""
+    """Greedy divergences from plain decoding, classified (ties.py); one that is no near-tie is replayed with both
+    methods on float32 copies of target and head, made at the first need."""
 
     def __init__(self, model, head, dtype: torch.dtype, plain: Method):
         self.model, self.head, self.dtype, self.plain = model, head, dtype, plain
@@ -419,23 +404,21 @@ class DivergenceLog:
 def assemble(args, device, dtype, inputs, methods: list[Method], mismatches: list[dict], setup: dict) -> dict:
     """The JSON of the run so far."""
     plain_tps = statistics.fmean(r["tokens_per_s"] for r in methods[0].rows)
-    summaries = {m.name: summarise(m, plain_tps, m.depth) for m in methods}
+    summaries = {m.name: summarise(m, plain_tps) for m in methods}
     main_name = f"speculative_{args.tree}"
     if main_name not in summaries:  # no head: the first drafting method
         main_name = next((m.name for m in methods if m.generator is not None and m.name != "engine_plain"),
                          "engine_plain" if "engine_plain" in summaries else "plain")
     main = summaries[main_name]
-
-    def ratio(a: str, b: str) -> float | None:
-        return summaries[a]["tokens_per_s"] / summaries[b]["tokens_per_s"] if a in summaries and b in summaries \
-            else None
+    tps = {name: s["tokens_per_s"] for name, s in summaries.items()}
+    ratio = lambda a, b: tps[a] / tps[b] if a in tps and b in tps else None  # noqa: E731
 
     drafting = [m for m in methods if m.generator is not None and not m.generator.plain]  # every drafter's rows
     greedy_rows = [r for m in drafting for r in m.rows if "greedy_match" in r]
     near_ties = [x for x in mismatches if x["is_near_tie"]]
     replayed = [x for x in mismatches if x.get("float32_replay_match")]
     singles = [n for n in (f"speculative_{args.tree}", "engine_prompt_lookup") if n in summaries]
-    best_single = max(singles, key=lambda n: summaries[n]["tokens_per_s"]) if len(singles) == 2 else None
+    best_single = max(singles, key=tps.get) if len(singles) == 2 else None
     result = {
         "target": str(args.target),
         "draft": str(args.draft),
@@ -461,7 +444,7 @@ def assemble(args, device, dtype, inputs, methods: list[Method], mismatches: lis
         "hybrid_vs_best_single": ratio("hybrid", best_single) if best_single else None,
         "best_single_drafter": best_single,
         "tau": main.get("tau"),
-        "tokens_per_s": {name: s["tokens_per_s"] for name, s in summaries.items()},
+        "tokens_per_s": tps,
         "greedy_match": (sum(r["greedy_match"] for r in greedy_rows) / len(greedy_rows)) if greedy_rows else None,
         "greedy_divergences": {"near_tie": len(near_ties), "float32_replay_match": len(replayed),
                                "real_mismatch": len(mismatches) - len(near_ties) - len(replayed),
@@ -504,7 +487,8 @@ def plot(result: dict, path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m inference.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m inference.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True)
     p.add_argument("--draft", default=None, help="head folder (native or exported), for the head's methods")
     p.add_argument("--draft-model", default=None, help="a smaller causal LM's folder sharing the target's "
@@ -514,8 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=int, default=4, help="draft-model chain length (self-speculation's too)")
     p.add_argument("--hybrid-tokens", type=int, default=6, help="prompt-lookup tokens in the hybrid tree")
     p.add_argument("--auto-lookup", action=argparse.BooleanOptionalAction, default=True,
-                   help="with --tree auto: also try the chosen tree with the prompt-lookup branch (--hybrid-tokens) "
-                        "and keep the branch if it measures at least as fast")
+                   help="with --tree auto: keep the prompt-lookup branch (--hybrid-tokens) if it measures as fast")
     p.add_argument("--prompts", default="mt_bench", help="mt_bench or a JSONL file")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--category", default=None, help="only prompts of this category (MT-bench: coding, math, ...)")
@@ -530,9 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-pld", action="store_true", help="skip the prompt_lookup (transformers) method")
     p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens")
     p.add_argument("--draft-vocab", type=parse_draft_vocab, default=None,
-                   help="prune the head's draft vocabulary to its N most frequent tokens first "
-                        "(inference.draft_vocab); auto: measure a few sizes (and the unpruned head) on the chosen tree "
-                        "and keep the fastest")
+                   help="prune the head's draft vocabulary to its N most frequent tokens; auto: keep the fastest "
+                        "of a few sizes and the unpruned head on the chosen tree")
     p.add_argument("--vocab-sizes", type=lambda v: tuple(int(x) for x in v.split(",") if x.strip()),
                    default=AUTO_SIZES, help="with --draft-vocab auto: the pruned sizes tried besides the unpruned head "
                    f"(default {','.join(map(str, AUTO_SIZES))})")
@@ -541,8 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runner", default="auto", choices=["auto", "static", "eager"],
                    help="the engine's target runner: static KV buffers (auto, where the architecture allows) or eager")
     p.add_argument("--compile", default="on", choices=["auto", "on", "off"],
-                   help="torch.compile the engine's steps (on: also on CPU, where it pays over a benchmark's length; "
-                        "auto: CUDA only); compile time is reported apart from the prompts")
+                   help="torch.compile the engine's steps (auto: CUDA only); compile time is reported apart")
     p.add_argument("--device", default="auto", help="auto: CUDA when present, else the CPU")
     p.add_argument("--dtype", default="fast", help="fast: bf16 where the hardware has it, else float32")
     p.add_argument("--threads", type=int, default=None)
@@ -556,22 +537,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     """`python -m inference.bench ...`; a user error (missing head or prompts file, mismatched head) is one line."""
     args = build_parser().parse_args(argv)
-    if batch_bench.wants_batch_bench(args):
-        result = batch_bench.run_batch_bench(batch_bench.normalise(args),
-                                             on_cell=lambda partial: atomic_write_json(args.out, partial))
-        atomic_write_json(args.out, result)
-        batch_bench.plot_grid(result, args.plot or args.out.with_suffix(".png"))
-        print(f"wrote {args.out}")
-        return
-    result = run_bench(args, on_prompt=lambda partial: atomic_write_json(args.out, partial))
+    grid = bool(args.grid or args.batch_size or args.context)  # the batch x context benchmark (batch.py)
+    run, draw = (batch_bench.run_batch_bench, batch_bench.plot_grid) if grid else (run_bench, plot)
+    result = run(batch_bench.normalise(args) if grid else args, lambda partial: atomic_write_json(args.out, partial))
     atomic_write_json(args.out, result)
-    plot(result, args.plot or args.out.with_suffix(".png"))
-    m = result["methods"]
-    print(f"\n{result['prompts']} prompts, {result['dtype']} on {result['device']}")
-    for name, s in m.items():
-        extra = f"  tau {s['tau']:.2f}" if "tau" in s else ""
-        print(f"  {name:24s} {s['tokens_per_s']:7.2f} tok/s  speedup {s.get('speedup', 1):.2f}x{extra}")
-    div = result["greedy_divergences"]
-    print(f"greedy match {result['greedy_match']}, divergences {div['near_tie']} near-tie / "
-          f"{div['float32_replay_match']} identical when replayed in float32 / {div['real_mismatch']} real")
+    draw(result, args.plot or args.out.with_suffix(".png"))
+    if not grid:
+        print(f"\n{result['prompts']} prompts, {result['dtype']} on {result['device']}")
+        for name, s in result["methods"].items():
+            extra = f"  tau {s['tau']:.2f}" if "tau" in s else ""
+            print(f"  {name:24s} {s['tokens_per_s']:7.2f} tok/s  speedup {s.get('speedup', 1):.2f}x{extra}")
+        div = result["greedy_divergences"]
+        print(f"greedy match {result['greedy_match']}, divergences {div['near_tie']} near-tie / "
+              f"{div['float32_replay_match']} identical when replayed in float32 / {div['real_mismatch']} real")
     print(f"wrote {args.out}")

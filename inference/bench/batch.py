@@ -4,20 +4,15 @@ EAGLE-head drafting with a full or a windowed KV, on long real prompts (long_con
     python -m inference.bench --target T --draft HEAD --batch-size 8 --context 8192        # one cell
     python -m inference.bench --target T --draft HEAD --grid --contexts 2048,4096,8192 --batch-sizes 1,4,8,16
 
-Each cell (context L, batch B) decodes at least `--prompts-per-cell` prompts of exactly L tokens, B at a time.
-Every prompt is prefilled ONCE per context and every method decodes a copy of the same prefilled rows (the prefill
-is reported apart): a few warm-up tokens first (a compiled self-draft compiles there: warmup_s), then `--repeats`
-runs in turn with the other methods, the median reported (all in decode_s_runs). Each row decodes
-`--max-new-tokens` without eos (fixed-length throughput, as MagicDec measures). With `--continuous` a cell is one
-queue of requests through B rows (continuous batching: a row that finishes takes the next prefilled request), the
-same queue for every method. Per method: decode tokens/s and speedup over plain batched decoding, τ, cost per step,
-the same over the steps with every row busy (`busy_*`), and greedy rows checked against plain decoding. Writes one
-JSON (rewritten after every cell) and a PNG.
+Each cell (context L, batch B) decodes at least `--prompts-per-cell` prompts of exactly L tokens, B at a time (with
+`--continuous`, as one queue through B rows), each row `--max-new-tokens` without eos. Prompts are prefilled once
+per context and every method decodes a copy of the same rows, `--repeats` times in turn, the median reported.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -64,20 +59,16 @@ BATCH_METHODS.update({name + AUTO: f"{name}, speculating only where its measured
 
 def peak_rss_reset() -> None:
     """Reset the kernel's peak-RSS mark of this process (Linux: /proc/self/clear_refs, 5)."""
-    try:
+    with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
 
 
 def peak_rss_mb() -> float | None:
     """Peak resident memory since the last reset, MB (Linux VmHWM), or None where unavailable."""
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
-    except OSError:
-        pass
     return None
 
 
@@ -105,8 +96,7 @@ def make_drafters(args, model, head, tokenizer=None) -> dict:
 
 
 def prefill_rows(runner: StaticRunner, prompts: list[list[int]], group: int = 4) -> tuple[list[dict], float]:
-    """Prefill every prompt once (`group` rows at a time); each row's KV entries, last logits and features, to
-    build any batch of these prompts from. Returns (rows, seconds)."""
+    """Prefill every prompt once, `group` rows at a time: (rows of KV, last logits and features, seconds)."""
     device = next(runner.model.parameters()).device
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -117,10 +107,9 @@ def prefill_rows(runner: StaticRunner, prompts: list[list[int]], group: int = 4)
 
 def run_group(runner: StaticRunner, drafters: dict, rows: list[dict], max_new: int, repeats: int = 1,
               waiting: list[dict] = ()) -> dict:
-    """Load one group of prefilled rows, then decode it with every drafter from a copy of that KV, `repeats` times
-    in turn; each method's figures are those of its median run (all its runs' decode times are kept). `waiting`:
-    more prefilled rows, each taking the first row of the batch that frees up (continuous batching; the copy of its
-    KV into the batch and the drafter's start on it count as decode time)."""
+    """Decode one group of prefilled rows with every drafter, each from a fresh copy of their KV, `repeats` times in
+    turn; a method's figures are its median run's. `waiting`: more rows, each taking the batch row that frees up
+    first (continuous batching; its admission counts as decode time)."""
     ids = torch.stack([row["ids"] for row in rows])
     b = ids.shape[0]
     mask = torch.ones_like(ids)
@@ -136,9 +125,9 @@ def run_group(runner: StaticRunner, drafters: dict, rows: list[dict], max_new: i
         for i, row in enumerate(rows):
             runner.admit(i, row["kv"])
         stats = GenerationStats()
-        stoppers = [Stopper(set(), [], None, new_tokens) for _ in range(b)]
-        queue = (Request(row["ids"], row["kv"], row["logits"], row["features"], Stopper(set(), [], None, new_tokens))
-                 for row in waiting)
+        stop = lambda: Stopper(set(), [], None, new_tokens)  # noqa: E731
+        stoppers = [stop() for _ in range(b)]
+        queue = (Request(row["ids"], row["kv"], row["logits"], row["features"], stop()) for row in waiting)
         t0 = time.perf_counter()
         with runner.session(), torch.inference_mode():
             new = decode_rows(runner, drafter, ids, mask, params, stoppers, None, stats,
@@ -146,14 +135,13 @@ def run_group(runner: StaticRunner, drafters: dict, rows: list[dict], max_new: i
                               switch=SpeculationSwitch() if name.endswith(AUTO) else None)
         return new, stats, time.perf_counter() - t0
 
-    for name, drafter in drafters.items():
-        # warm-up: two steps (a compiled drafter compiles its step here), timed apart from the decode
-        out[name] = dict(warmup_s=decode(name, drafter, 2 * drafter.tree_size)[2], runs=[])  # (admissions too)
+    for name, drafter in drafters.items():  # warm-up of two steps (a compiled drafter compiles here), timed apart
+        out[name] = dict(warmup_s=decode(name, drafter, 2 * drafter.tree_size)[2], runs=[])
     for _ in range(repeats):  # the methods take turns, so a slow spell of a shared machine hits them alike
         for name, drafter in drafters.items():
             new, stats, total = decode(name, drafter, max_new)
-            out[name]["runs"].append(dict(rows=new, decode_s=total - stats.prefill_time_s, stats=stats))  # - begin
-    for result in out.values():  # the run of median decode time stands for the method (greedy: same tokens)
+            out[name]["runs"].append(dict(rows=new, decode_s=total - stats.prefill_time_s, stats=stats))
+    for result in out.values():
         runs = sorted(result.pop("runs"), key=lambda r: r["decode_s"])
         result.update(runs[(len(runs) - 1) // 2], decode_s_runs=[round(r["decode_s"], 3) for r in runs])
     return out
@@ -175,9 +163,7 @@ def summarise_cell(groups: list[dict], names: list[str], b: int, context: int) -
         busy_steps, busy_s = total(stats, "busy_steps"), total(stats, "busy_time_s")
         m = dict(tokens=tokens, decode_s=round(decode_s, 3), tokens_per_s=tokens / decode_s,
                  tau=sum(accept) / max(len(accept), 1), steps=steps,
-                 # a batch decodes until its slowest row is done: steps against what its rows needed on average
-                 # (continuous batching: the requests' steps shared among the batch's rows)
-                 row_steps_mean=sum(sum(s.rows_steps) / b for s in stats),
+                 row_steps_mean=sum(sum(s.rows_steps) / b for s in stats),  # the steps a row needed, on average
                  admit_s=round(total(stats, "admit_time_s"), 3),
                  plain_steps=total(stats, "plain_steps"),  # the _auto methods' steps without drafts
                  step_ms=1000 * decode_s / max(steps, 1),
@@ -185,12 +171,10 @@ def summarise_cell(groups: list[dict], names: list[str], b: int, context: int) -
                  verify_ms_per_step=1000 * total(stats, "verify_time_s") / max(steps, 1),
                  begin_s=total(stats, "prefill_time_s"), warmup_s=round(sum(g["warmup_s"] for g in runs), 2),
                  decode_s_runs=[round(sum(x), 3) for x in zip(*(g["decode_s_runs"] for g in runs))],
-                 # the steps with every row decoding (continuous: before the queue runs dry), as MagicDec's
-                 # per-step throughput counts a full batch; the queue's tail (rows leaving one by one) is what
-                 # tokens_per_s adds to it
+                 # the steps with every row decoding (as MagicDec counts a full batch): tokens_per_s adds the tail
                  busy_steps=busy_steps, busy_tokens_per_s=total(stats, "busy_tokens") / max(busy_s, 1e-9),
                  busy_step_ms=1000 * busy_s / max(busy_steps, 1))
-        if name.removesuffix(AUTO).endswith(LOOKUP):  # the lookup branch's nodes: added to trees, accepted
+        if name.removesuffix(AUTO).endswith(LOOKUP):
             m["lookup_proposed"] = sum(s.drafted_by.get("prompt_lookup", 0) for s in stats)
             m["lookup_accepted"] = sum(s.accepted_by.get("prompt_lookup", 0) for s in stats)
         if name != "plain" and "plain" in names:
@@ -206,7 +190,7 @@ def summarise_cell(groups: list[dict], names: list[str], b: int, context: int) -
 
 
 def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
-    """Every (context, batch) cell of the grid (or the one cell asked for); see the module docstring."""
+    """Every (context, batch) cell of the grid, or the one cell asked for; `on_cell(result)` after each."""
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
@@ -214,7 +198,6 @@ def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
     model, tokenizer = load_causal_lm(args.target, dtype, what="target")
     model = place_module(model, device, dtype).eval()
     head = load_head(args.draft, target=model, device=device, dtype=dtype) if args.draft else None
-    # the self-draft's step and the target's verify steps (one graph per batch and tree size)
     args.compile = compile_setting(args.compile, device)
     drafters = make_drafters(args, model, head, tokenizer)
     names = list(drafters)
@@ -257,8 +240,8 @@ def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
 
 
 def plot_grid(result: dict, path: Path) -> None:
-    """Speedup over plain batched decoding vs batch size: one panel per method, one line per context (solid: the
-    whole decode; dotted, where the JSON has it: the steps with every row busy)."""
+    """Speedup over plain batched decoding vs batch size: a panel per method, a line per context (dotted, where the
+    JSON has it: the steps with every row busy)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -298,7 +281,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-sizes", default="1,4,8,16")
     g.add_argument("--prompts-per-cell", type=int, default=4)
     g.add_argument("--continuous", action="store_true",
-                   help="continuous batching: the cell's --prompts-per-cell requests (the max batch size of distinct "
+                   help="continuous batching: the cell's --prompts-per-cell requests (the largest batch's distinct "
                         "prompts, repeated) flow through B rows, each row taking the next request as it finishes")
     g.add_argument("--batch-methods", default="plain,self,head,head_window",
                    help="comma list of: " + "; ".join(f"{k}: {v}" for k, v in BATCH_METHODS.items()))
@@ -307,15 +290,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lookup-tokens", type=int, default=4,
                    help="the +lookup methods: tokens of each row's prompt-lookup chain")
     g.add_argument("--lookup-nodes", type=int, default=1,
-                   help="the +lookup methods: at most this many of the chain's tokens added to a row's tree (where it "
-                        "leaves the drafter's nodes); every row's tree grows by this many")
+                   help="the +lookup methods: at most this many of the chain's tokens added to each row's tree, "
+                        "which grows by this many")
     g.add_argument("--task", default="continue", choices=["continue", "summarise"])
     g.add_argument("--repeats", type=int, default=1,
                    help="decode each batch this many times, the methods in turn; report each method's median run")
-
-
-def wants_batch_bench(args: argparse.Namespace) -> bool:
-    return bool(args.grid or args.batch_size or args.context)
 
 
 def normalise(args: argparse.Namespace) -> argparse.Namespace:

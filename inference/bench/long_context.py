@@ -1,9 +1,5 @@
-"""Long-context prompts from real text (ShareGPT conversations in the asset cache), for long-context benchmarks.
-
-A document is one conversation rendered as plain text ("User: ...\n\nAssistant: ..."); conversations too
-short on their own are joined with the next ones in file order until long enough. A prompt is one chat
-turn "<document cut to fit>\n\n<instruction>", cut by tokens so the templated prompt has an exact length.
-Nothing is downloaded.
+"""Long-context prompts of exact token lengths from real text: ShareGPT conversations in the asset cache, rendered
+as "User: ...\n\nAssistant: ...", short ones joined in file order. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -68,11 +64,8 @@ def _iter_documents(path: Path, min_chars: int) -> Iterator[tuple[bool, str]]:
 
 
 def long_documents(path: Path | None = None, min_chars: int = 20000, limit: int | None = None) -> list[str]:
-    """Distinct real texts of >= min_chars characters from ShareGPT (default: the cached sharegpt.jsonl).
-
-    Single conversations come first, then runs of consecutive shorter ones joined; each group longest
-    first, ties in file order. The file is streamed once; with `limit`, only that many documents are kept.
-    """
+    """Distinct texts of >= min_chars characters from ShareGPT (default: the cached sharegpt.jsonl): single
+    conversations, then runs of shorter ones joined; each group longest first, ties in file order."""
     path = Path(path) if path is not None else default_path()
     singles: list[tuple[int, int, str]] = []  # (length, -order, text), a min-heap bounded by `limit`
     joined: list[tuple[int, int, str]] = []
@@ -83,7 +76,7 @@ def long_documents(path: Path | None = None, min_chars: int = 20000, limit: int 
             heapq.heappush(heap, item)
         elif item > heap[0]:
             heapq.heapreplace(heap, item)
-    docs = [text for _, _, text in sorted(singles, reverse=True)] + [text for _, _, text in sorted(joined, reverse=True)]
+    docs = [text for heap in (singles, joined) for _, _, text in sorted(heap, reverse=True)]
     return docs[:limit] if limit is not None else docs
 
 
@@ -95,32 +88,23 @@ def chat_token_ids(tokenizer: Any, content: str) -> list[int]:
 
 
 def _fit(tokenizer: Any, doc_ids: list[int], instruction: str, context: int, overhead: int) -> list[int] | None:
-    """The templated prompt of exactly `context` tokens from a prefix of doc_ids, or None if none fits.
-
-    The prefix is decoded and re-tokenized inside the template, which may shift the count by a token or
-    two at the cut, so the cut is corrected from the measured length, then searched nearby.
-    """
+    """The templated prompt of exactly `context` tokens from a prefix of doc_ids, or None if none fits (re-tokenizing
+    the decoded prefix may shift the count at the cut: it is corrected from the measured length, then searched)."""
     def prompt(k: int) -> list[int]:
         cut = tokenizer.decode(doc_ids[:k], clean_up_tokenization_spaces=False).rstrip().rstrip("\ufffd").rstrip()
         return chat_token_ids(tokenizer, f"{cut}\n\n{instruction}")
 
     tried: set[int] = set()
     k = context - overhead
-    for _ in range(6):
-        if k in tried or not 0 < k <= len(doc_ids):
-            break
+    while len(tried) < 6 and k not in tried and 0 < k <= len(doc_ids):
         tried.add(k)
         ids = prompt(k)
         if len(ids) == context:
             return ids
         k += context - len(ids)
-    center = k
-    for k in sorted(range(center - 4, center + 5), key=lambda j: abs(j - center)):
-        if k not in tried and 0 < k <= len(doc_ids):
-            tried.add(k)
-            ids = prompt(k)
-            if len(ids) == context:
-                return ids
+    for j in sorted(range(k - 4, k + 5), key=lambda j: abs(j - k)):
+        if j not in tried and 0 < j <= len(doc_ids) and len(ids := prompt(j)) == context:
+            return ids
     return None
 
 
@@ -134,12 +118,8 @@ def _candidates(path: Path, min_chars: int, first: int) -> Iterator[str]:
 
 def long_prompts(tokenizer: Any, context: int, count: int, path: Path | None = None,
                  task: str = "continue") -> list[list[int]]:
-    """`count` distinct chat prompts of exactly `context` tokens, each from a different real document.
-
-    Each is one user turn "<document cut to fit>\n\n<instruction>" after the tokenizer's chat template
-    (add_generation_prompt=True); task "continue" asks to continue the text, "summarise" for a summary.
-    ValueError if ShareGPT has too few documents long enough.
-    """
+    """`count` distinct chat prompts of exactly `context` tokens: each one user turn, a different document cut to fit
+    then the `task` instruction, after the chat template. ValueError if too few documents are long enough."""
     if task not in INSTRUCTIONS:
         raise ValueError(f"task must be one of {sorted(INSTRUCTIONS)}, got {task!r}")
     instruction = INSTRUCTIONS[task]

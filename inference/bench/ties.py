@@ -1,9 +1,7 @@
 """Explain a greedy divergence between speculative and plain decoding (bf16 benchmarks).
 
-In low precision the tree forward and the one-token decode forward add the same numbers in different orders,
-so their logits differ by a rounding error. Speculative greedy output may then leave plain greedy output only
-where the target's two candidate tokens are (nearly) tied: within the bf16 spacing at that magnitude, or within
-the low-precision error that a float32 copy of the target measures at that position. Anything else is a bug.
+In low precision a tree forward and a one-token forward sum the same numbers in different orders, so greedy outputs
+may part only where the target's two candidates are (nearly) tied; anything else is a bug.
 """
 
 from __future__ import annotations
@@ -18,9 +16,7 @@ import torch.nn as nn
 def bf16_resolution(x: float) -> float:
     """Spacing between adjacent bfloat16 numbers at |x| (8 significant bits: 2^(floor(log2|x|) - 7))."""
     x = abs(float(x))
-    if x == 0.0:
-        return 2.0**-133  # smallest bf16 subnormal
-    return 2.0 ** (math.floor(math.log2(x)) - 7)
+    return 2.0 ** (math.floor(math.log2(x)) - 7) if x else 2.0**-133  # 0: the smallest bf16 subnormal
 
 
 def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
@@ -52,15 +48,11 @@ class Divergence:
 def explain_divergence(target: nn.Module, spec_sequence: torch.Tensor, ref_sequence: torch.Tensor,
                        tolerance_ulps: float = 1.0, reference: nn.Module | None = None) -> Divergence | None:
     """spec_sequence, ref_sequence ((1, n) or (n,)): the prompt + the speculative / plain greedy output. None when
-    they are equal (or one stops early on an equal prefix); otherwise the target's logits at the first differing
-    position, from one plain forward over the common prefix in the target's own dtype.
-
-    The divergence is a near-tie when both chosen tokens lie within `tolerance_ulps` bf16 steps of the top logit
-    (three-way ties included), or, given `reference` (the same target in float32), when the float32 logits of the
-    float32 target prefers the plain token over the speculative one by no more than low precision can move the
-    two logits: twice the larger |low - float32| error of the two at this very position (each decoding path may err
-    that much, in opposite directions) plus one bf16 step. When float32 prefers the speculative token, it is the
-    plain low-precision path that strayed. A divergence outside both is a real mismatch: a bug."""
+    equal (or one stops early on an equal prefix); else the target's logits at the first differing position, from
+    one forward over the common prefix in the target's dtype. A near-tie: both chosen tokens within `tolerance_ulps`
+    bf16 steps of the top logit, or, given `reference` (the target in float32), float32 prefers the plain token by
+    no more than twice the larger |low - float32| error of the two logits (each path may err that much, in opposite
+    directions) plus one bf16 step."""
     spec, ref = spec_sequence.reshape(-1), ref_sequence.reshape(-1)
     pos = first_divergence(spec, ref)
     if pos is None or pos >= min(spec.numel(), ref.numel()):

@@ -1,12 +1,9 @@
-"""A GGUF target's own quantized weights in the decoding steps (Q8_0, Q4_1), lossless against its dequantized model.
+"""A GGUF target's own quantized weights (Q8_0, Q4_1) in the decoding steps, lossless against its dequantized model.
 
-transformers loads a GGUF file as a float32 model whose weights are the blocks dequantized by the `gguf` package.
-`use_gguf_weights(model, path)` gives each linear of that model whose weight some Q8_0 or Q4_1 tensor of the file
-dequantizes to (row for row, exactly; llama.cpp's q/k row order is found by matching rows) a packed copy of those
-blocks. Inside the runner's small-row context such a linear multiplies with small_gemm_avx2.cpp's small_linear_q,
-which dequantizes in registers to the same float32 values and sums them in small_linear's order: the logits are
-bit-identical to the float32 kernel's on the dequantized weights, while a decoding step streams a quarter or less
-of the bytes. Prefill (many rows) keeps the float32 weights.
+transformers loads a GGUF file as a float32 model of dequantized weights. `use_gguf_weights(model, path)` gives each
+linear whose weight a Q8_0 / Q4_1 tensor of the file dequantizes to exactly (rows matched, so llama.cpp's q/k order
+is found) a packed copy of those blocks; small_gemm_avx2.cpp's small_linear_q multiplies with them bit-identically
+to the float32 kernel, streaming a quarter or less of the bytes. Prefill (many rows) keeps the float32 weights.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Builds and loads this project's CPU kernels: the AVX512-BF16 library `drafthead_kernels` (small_gemm.cpp, bf16
-linears of a few rows; prefix_attention.cpp, attention of a few queries over the used prefix of a KV buffer) and
-the AVX2 library `drafthead_avx2` (small_gemm_avx2.cpp, prefix_attention_avx2.cpp: their float32 counterparts).
-
-Each is compiled on first use (~40 s, cached in torch's extension folder) only where the CPU has its instructions;
-elsewhere nothing changes. Each build has its own folder per digest of its sources, headers and flags, and is made
-under an OS file lock (released when its holder dies): a process that waits longer than
+"""Builds and loads this project's CPU kernels: the AVX512-BF16 library `drafthead_kernels` (small_gemm.cpp,
+prefix_attention.cpp: bf16) and the AVX2 library `drafthead_avx2` (small_gemm_avx2.cpp, prefix_attention_avx2.cpp:
+float32). Each is compiled on first use (cached in torch's extension folder, one folder per digest of its sources,
+headers and flags) only where the CPU has its instructions, under an OS file lock: a process that waits longer than
 DRAFTHEAD_KERNEL_BUILD_TIMEOUT seconds (default 600) for another's build goes on without the kernels, saying so.
 """
 
@@ -23,15 +20,11 @@ import torch
 
 from drafthead.hardware import cpu_flags
 
-SOURCES = ("small_gemm.cpp", "prefix_attention.cpp")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "small_gemm.cpp", HERE / "prefix_attention.cpp"]
 BLOCK = 32  # output columns per packed weight block (small_gemm.cpp)
-AVX2_SOURCES = ("small_gemm_avx2.cpp", "prefix_attention_avx2.cpp")
+AVX2_SOURCES = [HERE / "small_gemm_avx2.cpp", HERE / "prefix_attention_avx2.cpp"]
 FLOAT_BLOCK = 16  # output columns per packed float32 weight block (small_gemm_avx2.cpp)
-
-
-def build_timeout() -> float:
-    """Seconds to wait for another process's build of the same kernels (DRAFTHEAD_KERNEL_BUILD_TIMEOUT)."""
-    return float(os.environ.get("DRAFTHEAD_KERNEL_BUILD_TIMEOUT", 600))
 
 
 @contextlib.contextmanager
@@ -55,16 +48,13 @@ def build_lock(folder: Path, timeout: float):
 
 
 def _cflags(flags: list[str]) -> list[str]:
-    # -fopenmp: at::parallel_for is a header template that runs serially unless the extension itself is built
-    # with OpenMP
+    # -fopenmp: at::parallel_for runs serially unless the extension itself is built with OpenMP
     return ["-O3", *flags, "-fopenmp"]
 
 
 def build_folder(name: str, paths: list[Path], flags: list[str]) -> Path:
-    """The build folder of extension `name` from these sources, the headers beside them and these flags: one per
-    digest of all of them (and of torch's version and the sources' folder: torch's build file names the sources
-    by path, so two checkouts sharing a folder would rebuild each other's), in torch's extension folder
-    (TORCH_EXTENSIONS_DIR)."""
+    """The build folder of extension `name` in torch's extension folder: one per digest of these sources, the headers
+    beside them, these flags, torch's version and the sources' folder (torch's build file names sources by path)."""
     from torch.utils.cpp_extension import _get_build_directory
 
     digest = hashlib.sha256(repr((_cflags(flags), torch.__version__, str(paths[0].parent.resolve()))).encode())
@@ -80,14 +70,15 @@ def _add_files(digest, paths: list[Path]) -> None:
 
 def _build(name: str, paths: list[Path], flags: list[str], what: str, timeout: float | None = None) -> bool:
     """Compile and load one extension of C++ sources (headers beside them included); False (with a note) where
-    that fails or waits past `timeout` seconds (default build_timeout())."""
+    that fails or waits past `timeout` seconds (default: DRAFTHEAD_KERNEL_BUILD_TIMEOUT)."""
     from torch.utils.cpp_extension import load
 
-    cflags = _cflags(flags)
     folder = build_folder(name, paths, flags)
     built = folder / "built"  # written after a finished build: the folder's digest names its sources and flags
     try:
-        with build_lock(folder, build_timeout() if timeout is None else timeout):
+        if timeout is None:
+            timeout = float(os.environ.get("DRAFTHEAD_KERNEL_BUILD_TIMEOUT", 600))
+        with build_lock(folder, timeout):
             if built.exists():  # not through torch's ninja, which rebuilds when another ninja (a venv's) ran last
                 try:
                     torch.ops.load_library(str(folder / f"{name}.so"))
@@ -99,7 +90,7 @@ def _build(name: str, paths: list[Path], flags: list[str], what: str, timeout: f
                       file=sys.stderr, flush=True)
             # torch's own lock file, left behind only by a build that was killed: under our lock nobody else builds
             (folder / "lock").unlink(missing_ok=True)
-            load(name=name, sources=[str(p) for p in paths], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+            load(name=name, sources=[str(p) for p in paths], extra_cflags=_cflags(flags), extra_ldflags=["-fopenmp"],
                  build_directory=str(folder), is_python_module=False, verbose=False)
             built.touch()
     except Exception as error:  # no compiler, one without these instructions, or a build that never ends
@@ -112,33 +103,22 @@ def _build(name: str, paths: list[Path], flags: list[str], what: str, timeout: f
 
 @functools.cache
 def source_digest() -> str:
-    """A short digest of every kernel source and header: what decoding costs depends on it (the tuning's cache
-    key carries it, so a changed kernel is tuned again)."""
+    """A short digest of every kernel source and header (in the tuning's cache key: a changed kernel is tuned
+    again)."""
     digest = hashlib.sha256()
-    _add_files(digest, sorted(Path(__file__).parent.glob("*.cpp")) + sorted(Path(__file__).parent.glob("*.h")))
+    _add_files(digest, sorted(HERE.glob("*.cpp")) + sorted(HERE.glob("*.h")))
     return digest.hexdigest()[:12]
-
-
-def _sources(names: tuple[str, ...]) -> list[Path]:
-    return [Path(__file__).with_name(name) for name in names]
 
 
 def _register_fakes(namespace: str, block: int) -> None:
     """The output shapes of one kernel library's ops, for torch.compile's tracing (`block`: its output columns a
     packed weight row)."""
 
-    @torch.library.register_fake(f"{namespace}::small_linear")
-    def _(x, packed, bias, live=None):
+    def linear(x, packed, *args, **kwargs):  # small_linear, small_linear_int8, small_linear_q
         return x.new_empty(*x.shape[:-1], packed.shape[0] * block)
 
-    @torch.library.register_fake(f"{namespace}::small_linear_int8")
-    def _(x, packed, columns, bias, live=None):
-        return x.new_empty(*x.shape[:-1], packed.shape[0] * block)
-
-    if namespace == "drafthead_avx2":
-        @torch.library.register_fake(f"{namespace}::small_linear_q")
-        def _(x, packed, params, bias, live=None):
-            return x.new_empty(*x.shape[:-1], packed.shape[0] * block)
+    for op in ("small_linear", "small_linear_int8") + (("small_linear_q",) if namespace == "drafthead_avx2" else ()):
+        torch.library.register_fake(f"{namespace}::{op}", linear)
 
     @torch.library.register_fake(f"{namespace}::prefix_attention")
     def _(query, key, value, mask, scaling, length, rows):
@@ -148,14 +128,14 @@ def _register_fakes(namespace: str, block: int) -> None:
 
 @functools.cache
 def kernels_available() -> bool:
-    """True once the kernels are built and loaded; builds them on the first call where the CPU has AVX512-BF16
+    """True once the bf16 kernels are built and loaded; builds them on the first call where the CPU has AVX512-BF16
     (with AMX where it has that too)."""
     if "avx512_bf16" not in cpu_flags():  # (every CPU with AVX512-BF16 also has AVX512-VNNI, used for int8)
         return False
     flags = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]
     if "amx_bf16" in cpu_flags():  # small_linear multiplies with AMX tiles (small_gemm.cpp)
         flags += ["-mamx-tile", "-mamx-bf16"]
-    if not _build("drafthead_cpu_kernels", _sources(SOURCES), flags, "AVX512-BF16"):
+    if not _build("drafthead_cpu_kernels", SOURCES, flags, "AVX512-BF16"):
         return False
     _register_fakes("drafthead_kernels", BLOCK)
     return True
@@ -167,7 +147,7 @@ def avx2_kernels_available() -> bool:
     AVX2 and FMA."""
     if "avx2" not in cpu_flags():  # (every x86 CPU with AVX2 has FMA too: Haswell, Zen)
         return False
-    if not _build("drafthead_avx2_kernels", _sources(AVX2_SOURCES), ["-mavx2", "-mfma"], "AVX2"):
+    if not _build("drafthead_avx2_kernels", AVX2_SOURCES, ["-mavx2", "-mfma"], "AVX2"):
         return False
     _register_fakes("drafthead_avx2", FLOAT_BLOCK)
     return True

@@ -1,19 +1,17 @@
 """Small-row GEMM kernels for the few rows of a decoding step (small_gemm.cpp: bf16 with AVX512-BF16;
 small_gemm_avx2.cpp: float32 with AVX2 + FMA), and the linear layers that use them.
 
-Why: a decoding step or a tree verification multiplies a handful of rows by every weight of the model, so it is
-bound by reading the weights once, and PyTorch's linears do not stream them at that size (docs/results/HISTORY.md). Each
-output is summed in the same order whatever the number of rows, so a token's logits do not depend on the tree
-verified beside it. `use_small_row_kernel(model)` turns a model's bf16 (and, asked, float32) `nn.Linear` modules
-into `SmallRowLinear` in place (same parameters and state dict, plus a packed copy of each weight), which use the
-kernel only inside `small_row_kernel(max_rows)` for inputs of up to `max_rows` rows and are exactly nn.Linear
-elsewhere; release_kernels gives the model its own linears back.
+Such a step is bound by reading every weight once, which PyTorch's linears do not do at that size. Each output is
+summed in the same order whatever the number of rows, so a token's logits do not depend on the tree verified beside
+it. `use_small_row_kernel(model)` turns linears into `SmallRowLinear` in place (same parameters and state dict, plus
+a packed copy of each weight): the kernel inside `small_row_kernel(max_rows)`, exactly nn.Linear elsewhere.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
+from operator import attrgetter
 
 import torch
 import torch.nn as nn
@@ -22,26 +20,19 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from .kernels import BLOCK, FLOAT_BLOCK, avx2_kernels_available, kernels_available
 
-# inputs of up to this many rows use the kernel (it streams the weights at 1-8 rows; at 16 it still costs half
-# of oneDNN's time; beyond that the step is no longer bound by the weights)
-KERNEL_ROWS = 16
-# a batch's verify step multiplies rows x tree tokens: the static runner's sessions allow this many, where the kernel
-# still beats oneDNN and MKL (docs/results/HISTORY.md)
-BATCH_KERNEL_ROWS = 64
+KERNEL_ROWS = 16  # the default row limit: past it a step is no longer bound by reading the weights
+BATCH_KERNEL_ROWS = 64  # a batch's verify step (rows x tree tokens): the kernel still beats oneDNN and MKL there
 
-# the row limit inside small_row_kernel() (0: outside); a module global, so a compiled step guards on it (a module
-# attribute would not be guarded: the compiled steps skip guards on nn.Module state)
+# the switches of small_row_kernel() (row limit 0: outside) and int8_weights(): module globals, so a compiled step
+# guards on them (it skips guards on nn.Module state)
 _row_limit = 0
-_row_min = 1  # and the fewest rows the kernel takes there
-# inside int8_weights(): linears that hold an int8 copy (use_int8_weights) multiply with it; a module global too
+_row_min = 1
 _int8_active = False
-# inside live_entries(b): the kernel multiplies only the rows of an input's first b entries along dim 0 (a batch's
-# rows still decoding, the leading ones), giving zeros for the others. One tensor, filled in place: every call of
-# the kernel passes it, so a compiled step reads its value at each call (no new graph per value)
+# live_entries(): the leading entries the kernels multiply; a tensor filled in place, passed to every kernel call,
+# so a compiled step reads its value at each call (no new graph per value)
 _live = torch.tensor(2**62)
-# the linears turned into SmallRowLinear / Int8CopyLinear, with their own class, and how many users (runners,
-# drafters) hold each of them for each kind ("rows", "int8"); a linear may belong to several models (a pruned head
-# shares its layer with the head): it is itself again once no user of either kind holds it (release_kernels)
+# each converted linear's own class, and how many users of each kind ("rows", "int8") hold it (a linear may belong
+# to several models): it is itself again once none does (release_kernels)
 _own_class: "weakref.WeakKeyDictionary[nn.Module, type]" = weakref.WeakKeyDictionary()
 _holds: "weakref.WeakKeyDictionary[nn.Module, dict[str, int]]" = weakref.WeakKeyDictionary()
 
@@ -64,13 +55,6 @@ def eligible(module: nn.Module, float32: bool = False) -> bool:
             and avx2_kernels_available())
 
 
-def _kernels(dtype: torch.dtype) -> tuple:
-    """The op library whose small_linear / pack_weight take weights of `dtype`, and its output columns a block."""
-    if dtype == torch.bfloat16:
-        return torch.ops.drafthead_kernels, BLOCK
-    return torch.ops.drafthead_avx2, FLOAT_BLOCK
-
-
 @contextlib.contextmanager
 def _module_global(name: str, value):
     """Set one of this module's switches (read by the linears' forward, guarded by compiled steps) for a block."""
@@ -90,9 +74,8 @@ def small_row_kernel(max_rows: int = KERNEL_ROWS, min_rows: int = 1):
 
 @contextlib.contextmanager
 def live_entries(entries: int):
-    """Inside this context the kernels of SmallRowLinear (and of the int8 copies) multiply only the first `entries`
-    entries of their input's first dimension (a batch step whose later rows have stopped: they cost no GEMM work)
-    and return zeros for the rest. Yields the 0-dim tensor holding `entries`, for the step's attention kernel too."""
+    """Inside this context the kernels multiply only the first `entries` entries of their input's first dimension
+    (a batch's rows still decoding) and return zeros for the rest. Yields the 0-dim tensor holding `entries`."""
     previous = int(_live)
     _live.fill_(entries)
     try:
@@ -102,8 +85,8 @@ def live_entries(entries: int):
 
 
 class SmallRowLinear(nn.Linear):
-    """nn.Linear that multiplies small inputs with the packed bf16 kernel inside small_row_kernel() (and with its
-    int8 copy inside int8_weights(), when use_int8_weights gave it one)."""
+    """nn.Linear that multiplies small inputs with the packed kernel inside small_row_kernel() (and with its int8
+    copy inside int8_weights(), when it has one)."""
 
     packed: torch.Tensor
     int8_weight: torch.Tensor | None  # buffers (None until use_int8_weights gives the module its int8 copy)
@@ -126,13 +109,12 @@ class SmallRowLinear(nn.Linear):
 
 
 # ---------------------------------------------------------------------------------------------- int8 drafting
-# A draft only needs to agree with the target often (the target verifies every token it proposes), and its step is
-# bound by reading the weights: an int8 copy of them halves bf16's bytes or quarters float32's (docs/results/HISTORY.md).
+# A draft only needs to agree with the target often (the target verifies it): an int8 copy of its weights halves
+# bf16's bytes, quarters float32's.
 
 
 class Int8CopyLinear(nn.Linear):
-    """nn.Linear holding an int8 copy of its weight, used inside int8_weights(): a linear that is not a
-    SmallRowLinear (float32 models, CUDA, CPUs without AVX512-BF16, or before use_small_row_kernel)."""
+    """nn.Linear holding an int8 copy of its weight, used inside int8_weights() (a linear not a SmallRowLinear)."""
 
     int8_weight: torch.Tensor
     int8_columns: torch.Tensor
@@ -164,9 +146,8 @@ def pack_int8(quantized: torch.Tensor) -> torch.Tensor:
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, columns: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
-    """x · Wᵀ (+ bias) from an int8 weight (quantize_weight_int8; packed by pack_int8 for the kernel),
-    with each row of x quantised to int8 (scale max|x|/127); packed (N/16, K, 16) for the AVX2 kernel, x is not
-    quantised. Returns x's dtype; the kernels multiply only the live entries (live_entries)."""
+    """x · Wᵀ (+ bias) from an int8 weight (quantize_weight_int8; packed by pack_int8 for the kernel), with each
+    row of x quantised to int8 (scale max|x|/127), except for the AVX2 kernel's (N/16, K, 16). Returns x's dtype."""
     if weight.dim() == 4:  # packed for the AVX512-VNNI kernel (a bf16 model's: x is bf16 too)
         return torch.ops.drafthead_kernels.small_linear_int8(x, weight, columns, bias, _live)
     if weight.dim() == 3:  # packed for the AVX2 kernel (a float32 model's): weight-only, x is not quantised
@@ -182,7 +163,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, columns: torch.Tensor,
 
 def _sibling_groups(model: nn.Module, linears: list[nn.Linear]) -> list[list[nn.Linear]]:
     """`linears` grouped by (parent module, input width), in module order: the siblings that may share an input
-    (an attention's q/k/v/o, an MLP's gate/up). The model itself may be the linear: a group of its own."""
+    (q/k/v, gate/up). The model itself may be the linear: a group of its own."""
     groups: dict[tuple[int, int], list[nn.Linear]] = {}
     parents = {id(child): id(parent) for parent in model.modules() for child in parent.children()}
     for module in linears:
@@ -193,11 +174,9 @@ def _sibling_groups(model: nn.Module, linears: list[nn.Linear]) -> list[list[nn.
 @torch.no_grad()
 def use_int8_weights(model: nn.Module) -> int:
     """Give every linear of `model` whose shape allows it (out_features a multiple of 32, in_features of 16) an
-    int8 copy of its weight, used only inside int8_weights(): packed for the kernel where one runs (bf16 on a CPU
-    with AVX512-BF16; float32 on a CPU with AVX2, weight-only), plain int8 elsewhere. Parameters and state dict
-    unchanged. Siblings with the same input width lie back to back in one buffer (as use_small_row_kernel packs
-    them), so that FuseSiblingLinears can multiply the ones sharing an input in one call. Returns how many linears
-    have one (a second call adds nothing)."""
+    int8 copy of its weight, used only inside int8_weights(): packed for the kernel where one runs (bf16 with
+    AVX512-BF16; float32 with AVX2, weight-only), plain int8 elsewhere; siblings back to back in one buffer (for
+    FuseSiblingLinears). Parameters and state dict unchanged. Returns how many linears have one."""
     linears = [m for m in model.modules()
                if isinstance(m, nn.Linear) and not m.out_features % BLOCK and not m.in_features % 16]
     for group in _sibling_groups(model, [m for m in linears if getattr(m, "int8_weight", None) is None]):
@@ -205,23 +184,17 @@ def use_int8_weights(model: nn.Module) -> int:
         w = group[0].weight
         kernel = w.dtype == torch.bfloat16 and w.device.type == "cpu" and kernels_available()
         avx2 = w.dtype == torch.float32 and w.device.type == "cpu" and avx2_kernels_available()
-        if kernel:
-            weights = torch.cat([pack_int8(q) for q in weights])
-        elif avx2:
-            weights = torch.cat([torch.ops.drafthead_avx2.pack_weight(q) for q in weights])
-        else:
-            weights = torch.cat(weights)
+        pack = pack_int8 if kernel else torch.ops.drafthead_avx2.pack_weight if avx2 else (lambda q: q)
+        weights = torch.cat([pack(q) for q in weights])
         columns = torch.cat(columns, dim=1).to(w.device)  # (2, N of the group): each module's a column slice
         per_row = BLOCK if kernel else FLOAT_BLOCK if avx2 else 1  # output columns per row of the (packed) weight
-        column = 0
-        for module in group:
-            end = column + module.out_features
+        widths = [m.out_features for m in group]
+        for module, q, c in zip(group, weights.split([n // per_row for n in widths]), columns.split(widths, dim=1)):
             if not isinstance(module, SmallRowLinear):
                 _own_class.setdefault(module, nn.Linear if isinstance(module, Int8CopyLinear) else type(module))
                 module.__class__ = Int8CopyLinear
-            module.register_buffer("int8_weight", weights[column // per_row: end // per_row], persistent=False)
-            module.register_buffer("int8_columns", columns[:, column: end], persistent=False)
-            column = end
+            module.register_buffer("int8_weight", q, persistent=False)
+            module.register_buffer("int8_columns", c, persistent=False)
     _hold(linears, "int8")
     return len(linears)
 
@@ -229,25 +202,22 @@ def use_int8_weights(model: nn.Module) -> int:
 @torch.no_grad()
 def use_small_row_kernel(model: nn.Module, float32: bool = False) -> int:
     """Turn the model's eligible linears into SmallRowLinear in place (parameters, ties and state dict
-    unchanged). Returns how many use the kernel; 0 where it is not available (no eligible linear: bf16 needs a CPU
-    with AVX512-BF16; float32 is converted only with `float32`, on a CPU with AVX2: the batch runner asks, see
-    BATCH_KERNEL_ROWS). Sibling linears of one module with the same input width (an attention's q/k/v/o, an MLP's
-    gate/up) are packed back to back in one buffer, each module's `packed` a view of it, so that a compiled step
-    can multiply the ones that share an input in one call (FuseSiblingLinears)."""
+    unchanged; float32 ones only with `float32`). Returns how many use the kernel; 0 where it is not available.
+    Siblings are packed back to back in one buffer, each module's `packed` a view of it (for FuseSiblingLinears)."""
     for module in model.modules():
         if isinstance(module, SmallRowLinear) and module not in _holds:
-            # a copy of a converted linear (copy.deepcopy of a model in use) holds the original's copies, perhaps
-            # packed for another dtype (.float() keeps a bf16 layout): a plain linear again, converted below
+            # a deepcopy of a converted linear holds the original's copies, perhaps of another dtype: convert anew
             _unconvert(module, nn.Linear)
     linears = [m for m in model.modules() if isinstance(m, SmallRowLinear) or eligible(m, float32)]
     if not linears:
         return 0
     for group in _sibling_groups(model, [m for m in linears if getattr(m, "packed", None) is None]):
-        kernels, block = _kernels(group[0].weight.dtype)
+        bf16 = group[0].weight.dtype == torch.bfloat16  # the op library packing its weights, its columns a block
+        kernels, block = (torch.ops.drafthead_kernels, BLOCK) if bf16 else (torch.ops.drafthead_avx2, FLOAT_BLOCK)
         # a float32 linear holding a GGUF target's blocks multiplies with them (gguf_weights.py): no packed copy
         dense = [m for m in group if getattr(m, "qpacked", None) is None or m.weight.dtype != torch.float32]
         packed = torch.cat([kernels.pack_weight(m.weight.detach()) for m in dense]) if dense else None
-        start = 0
+        views = dict(zip(map(id, dense), packed.split([m.out_features // block for m in dense]))) if dense else {}
         for module in group:
             _own_class.setdefault(module, nn.Linear if isinstance(module, (SmallRowLinear, Int8CopyLinear))
                                   else type(module))
@@ -255,19 +225,14 @@ def use_small_row_kernel(model: nn.Module, float32: bool = False) -> int:
             for name in ("int8_weight", "int8_columns", "qpacked", "qparams"):
                 if name not in module._buffers:  # no int8 copy (yet), no GGUF blocks
                     module.register_buffer(name, None, persistent=False)
-            if any(m is module for m in dense):
-                blocks = module.out_features // block
-                module.register_buffer("packed", packed[start: start + blocks], persistent=False)
-                start += blocks
-            else:
-                module.register_buffer("packed", None, persistent=False)
+            module.register_buffer("packed", views.get(id(module)), persistent=False)
     _hold(linears, "rows")
     return len(linears)
 
 
 def release_kernels(model: nn.Module, kind: str = "rows") -> None:
     """One user of use_small_row_kernel ("rows") or use_int8_weights ("int8") on `model` is done; a linear no user
-    holds any more is its own class again, without the packed and int8 copies (as it was handed to us)."""
+    holds any more is its own class again, without the copies."""
     for module in model.modules():
         counts = _holds.get(module)
         if not counts or not counts.get(kind):
@@ -279,20 +244,12 @@ def release_kernels(model: nn.Module, kind: str = "rows") -> None:
 
 
 def _unconvert(module: nn.Module, own_class: type) -> None:
-    """`module` as its own class again, without the packed and int8 copies. The class first, then the copies emptied
-    in place (no key removed): this may run from the garbage collector in the middle of someone's iteration over
-    the module (a deepcopy, a state_dict)."""
+    """`module` as its own class again, its copies emptied in place (no key removed: this may run from the garbage
+    collector during someone's iteration over the module)."""
     module.__class__ = own_class
     for name in ("packed", "int8_weight", "int8_columns"):
         if name in module._buffers:
             module._buffers[name] = None
-
-
-def _attribute(module: nn.Module, target: str) -> torch.Tensor:
-    """The tensor a get_attr node names (a dotted path)."""
-    for name in target.split("."):
-        module = getattr(module, name)
-    return module
 
 
 def _back_to_back(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -308,23 +265,17 @@ def _side_by_side(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class FuseSiblingLinears(CustomGraphPass):
-    """Inductor post-grad pass: the small_linear (small_linear_int8) calls that share an input and whose packed
-    weights (and int8 columns) lie back to back in one buffer (use_small_row_kernel and use_int8_weights pack
-    siblings so) become ONE call over the span, its output sliced per original call. Each output element is
-    summed exactly as before (the kernels sum every column alike), so results are bit-identical; a step makes
-    fewer calls, each streaming a longer weight. The fused weight is a view of the same storage: no copy."""
+    """Inductor post-grad pass: small_linear (small_linear_int8) calls that share an input and whose packed weights
+    (and int8 columns) lie back to back in one buffer become ONE call over that span (a view: no copy), its output
+    sliced per original call; bit-identical, as the kernels sum every column alike."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         module = graph.owning_module
         ops = {}  # op -> (its get_attr operands after x, output columns per packed block)
-        for library, name, operands, block in (("drafthead_kernels", "small_linear", 1, BLOCK),
-                                               ("drafthead_kernels", "small_linear_int8", 2, BLOCK),
-                                               ("drafthead_avx2", "small_linear", 1, FLOAT_BLOCK),
-                                               ("drafthead_avx2", "small_linear_int8", 2, FLOAT_BLOCK)):
-            try:
-                ops[getattr(getattr(torch.ops, library), name).default] = (operands, block)
-            except AttributeError:  # that library was never loaded (not this CPU, or not this dtype): no call
-                pass
+        for library, block in (("drafthead_kernels", BLOCK), ("drafthead_avx2", FLOAT_BLOCK)):
+            for name, operands in (("small_linear", 1), ("small_linear_int8", 2)):
+                with contextlib.suppress(AttributeError):  # a library never loaded has no call to fuse
+                    ops[getattr(getattr(torch.ops, library), name).default] = (operands, block)
         by_input: dict[tuple, list[torch.fx.Node]] = {}
         for node in graph.nodes:
             operands = ops[node.target][0] if node.op == "call_function" and node.target in ops else None
@@ -332,7 +283,7 @@ class FuseSiblingLinears(CustomGraphPass):
             if (operands and not node.kwargs and len(node.args) >= 1 + operands
                     and all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in node.args[1: 1 + operands])
                     and (not rest or rest[0] is None)):
-                extra = tuple(id(_attribute(module, a.target)) if isinstance(a, torch.fx.Node) and a.op == "get_attr"
+                extra = tuple(id(attrgetter(a.target)(module)) if isinstance(a, torch.fx.Node) and a.op == "get_attr"
                               else a for a in rest[1:])  # (one tensor read through several get_attr nodes: alike)
                 by_input.setdefault((node.target, node.args[0], extra), []).append(node)
         order = {n: i for i, n in enumerate(graph.nodes)}  # nodes inserted later are never compared
@@ -340,7 +291,7 @@ class FuseSiblingLinears(CustomGraphPass):
         for (op, _, _), calls in by_input.items():
             if len(calls) < 2:
                 continue
-            tensors = {n: [_attribute(module, a.target) for a in n.args[1: 1 + ops[op][0]]] for n in calls}
+            tensors = {n: [attrgetter(a.target)(module) for a in n.args[1: 1 + ops[op][0]]] for n in calls}
             calls.sort(key=lambda n: (tensors[n][0].untyped_storage().data_ptr(), tensors[n][0].storage_offset()))
 
             def follows(a: torch.fx.Node, b: torch.fx.Node) -> bool:

@@ -1,10 +1,9 @@
 """Draft-model drafting: classic speculative sampling with a smaller causal LM (Leviathan et al. 2023; Chen et al.
 2023).
 
-The draft model keeps its own KV (a runner like the target's) and drafts a chain of `gamma` tokens: greedy, or
-sampled from its processed distribution q, which the chain carries so verification accepts with min(1, p/q)
-(verify.py). After verification the draft cache is rolled back to the accepted prefix; accepted tokens it has not
-seen yet (the last draft, and always the bonus) are fed at the next proposal, every row at once (shorter rows padded).
+The draft model keeps its own KV (a runner like the target's) and drafts chains of `gamma` tokens, greedy or sampled
+from q (carried for verify.py). After verification its cache is rolled back to the accepted prefix; accepted tokens
+it has not seen yet (the last draft, and always the bonus) are fed at the next proposal.
 """
 
 from __future__ import annotations
@@ -30,9 +29,8 @@ class TokenizerMismatchError(ValueError):
 
 def check_same_tokenizer(draft: nn.Module, target: nn.Module, draft_tokenizer: Any = None,
                          target_tokenizer: Any = None) -> None:
-    """Refuse a draft model whose token ids mean something else than the target's: the vocabularies (token ->
-    id) must be equal when both tokenizers are given, else the configs' vocab sizes. Embedding rows beyond the
-    tokenizer (padding) may differ."""
+    """Refuse a draft model whose token ids mean something else than the target's: the vocabularies must be equal
+    when both tokenizers are given, else the configs' vocab sizes."""
     if draft_tokenizer is not None and target_tokenizer is not None:
         dv, tv = draft_tokenizer.get_vocab(), target_tokenizer.get_vocab()
         if dv != tv:
@@ -70,8 +68,7 @@ def match_vocab(probs: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 class DraftModelDrafter:
-    """A drafter: chains of `gamma` tokens from a smaller LM with its own KV buffers, every row at once (module
-    docstring)."""
+    """A drafter: chains of `gamma` tokens from a smaller LM with its own KV buffers, every row at once."""
 
     name = "draft_model"
     origin_names = ("draft_model",)
@@ -107,8 +104,7 @@ class DraftModelDrafter:
         self.pending = [[] for _ in range(input_ids.shape[0])]
 
     def _feed(self, rows: list[list[int]]) -> torch.Tensor:
-        """Append each row's tokens (at least one a row) to the draft cache; the logits after each row's last one
-        (B, V)."""
+        """Append each row's tokens (at least one a row) to the draft cache; the logits after each last (B, V)."""
         counts = [len(r) for r in rows]
         m = max(counts)
         tokens = torch.tensor([r + [0] * (m - len(r)) for r in rows], device=self.device)
@@ -150,8 +146,7 @@ class DraftModelDrafter:
             pending.append(root)
 
     def accept(self, accepted: Accepted, features) -> None:
-        """Roll each row's cache back to its root + the accepted drafts it holds; the rest waits for the next
-        proposal."""
+        """Roll each row's cache back to its root + the accepted drafts it holds; the rest waits."""
         if self.after_root is None:  # after a plain step the cache holds nothing the target rejected
             for pending, tokens in zip(self.pending, accepted.host_tokens):
                 pending += tokens[:-1]

@@ -1,19 +1,8 @@
-"""EAGLE-2 dynamic trees from a draft head, for every row of a batch, with the head's KV full or windowed
-(StreamingLLM).
+"""EAGLE-2 dynamic trees from a draft head for every row of a batch, with the head's KV full or windowed.
 
-The head keeps its KV across steps: the pairs (true target feature at t, token t+1) of each row. A drafting step
-first feeds the true pairs of the last verification (their last token is the root): the head's output there gives
-depth 1. Every row then expands its own top-k frontier at every depth in ONE head forward for the whole batch
-(tree.expand_tree), and keeps its own best `total_tokens` candidates (tree.select_tree), so all rows' trees have the
-same size (one target verify shape). Rows sit at different positions: the head's buffer is
-addressed per row (runners/kv.py), its stable part holding each row's true pairs (target feature at t, token t+1) at
-the slot of position t, and a shared scratch region after it holding the drafted frontier nodes of the current
-tree.
-
-With `window` set the stable part is StreamingLLM's sink + ring layout: the head attends its first `sink` pairs
-and the last `window` ones, so its buffer and its cost per depth stay constant however long the context grows
-(the draft for long contexts). The head has one layer, so an entry's key/value depends only on its own pair: the
-prompt's pairs outside the window are never computed at all.
+The head's KV holds, per row, the true pairs (target feature at t, token t+1) at the slot of position t, then a
+shared scratch region for the current tree's drafted frontier. With `window` set the stable part is StreamingLLM's
+sink + ring layout (runners/kv.py): as the head has one layer, pairs outside the window are never computed at all.
 """
 
 from __future__ import annotations
@@ -27,7 +16,7 @@ from drafthead.masks import to_additive
 from drafthead.model import DraftHead
 
 from ..cpu.small_gemm import BATCH_KERNEL_ROWS, release_kernels, small_row_kernel, use_small_row_kernel
-from ..drafter import Accepted
+from ..drafter import Accepted, Drafter
 from ..runners.attention import decoding_attention
 from ..runners.compile import compile_step
 from ..runners.kv import SlotMap, write_rows
@@ -65,8 +54,8 @@ class RowSlotCache:
         return self.keys.shape[2]
 
 
-class HeadDrafter:
-    """A drafter (drafter.Drafter) drafting EAGLE-2 trees with a DraftHead; see the module docstring."""
+class HeadDrafter(Drafter):
+    """A drafter drafting EAGLE-2 trees with a DraftHead (it runs inside the target runner's session)."""
 
     name = "eagle"
     origin_names = ("head",)
@@ -76,11 +65,10 @@ class HeadDrafter:
         self.head = head.eval()
         self.dtype = next(head.parameters()).dtype
         self.device = next(head.parameters()).device
-        # the head's linears multiply their few rows with the small-row kernel where the CPU has one for their dtype,
-        # and its attention runs on the decoding kernel, both only while it drafts (_drafting)
+        # the small-row GEMM and decoding attention kernels, used while it drafts (_drafting)
         use_small_row_kernel(head, float32=True)
         self.attention = decoding_attention(self.device, self.dtype)
-        self.close = weakref.finalize(self, release_kernels, head)  # its own linears again, on close() or drop
+        self.close = weakref.finalize(self, release_kernels, head)
         self.opt = options
         self.layout = SlotMap(sink, window)
         self.tree_size = self.smallest_tree = options.tree_size  # every tree holds all its total_tokens
@@ -89,9 +77,7 @@ class HeadDrafter:
         self.next_pos: torch.Tensor | None = None  # (B,) pairs fed so far (the root's position)
         self.pending: dict[str, torch.Tensor] = {}  # true pairs waiting for the next root
         self.stable_slots = self.capacity = 0
-        # a steady drafting step (feed the last verification's pairs, expand every depth, select) as one compiled
-        # graph per tree shape and batch size; its many small kernels are called from C++ on CPU. A prompt's
-        # feed, whose length varies, runs eagerly.
+        # a steady drafting step: one compiled graph per tree shape and batch size (a prompt's feed runs eagerly)
         self.compiled = compile
         self._step = (compile_step(self._draft, self.device, cpp_wrapper=self.device.type == "cpu",
                                    name=f"draft{options.depth}_{options.top_k}_{options.total_tokens}")
@@ -102,21 +88,12 @@ class HeadDrafter:
         return list(self.head.config.aux_layer_ids)
 
     @property
-    def dummy(self) -> int:
-        return self.capacity - 1
-
-    @property
     def kv_shape(self) -> tuple[int, ...]:
-        """Shape of the head's key buffer (B, kv_heads, stable + tree slots, head_dim)."""
-        return tuple(self.cache.keys.shape)
-
-    def session(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()  # the head runs inside the target runner's session
+        return tuple(self.cache.keys.shape)  # (B, kv_heads, stable + tree slots, head_dim)
 
     @contextlib.contextmanager
     def _drafting(self):
-        """The head's kernels for the block: the small-row GEMM (whatever the target's session allows) and the
-        decoding attention; the head's own attention setting is restored after."""
+        """The head's kernels for the block: the small-row GEMM and the decoding attention (restored after)."""
         config = self.head.midlayer.self_attn.config
         previous = config._attn_implementation
         if self.attention is not None:
@@ -127,15 +104,14 @@ class HeadDrafter:
         finally:
             config._attn_implementation = previous
 
-    # ------------------------------------------------------------------------------ the drafter protocol
     def begin(self, runner, input_ids: torch.Tensor, attention_mask, features: torch.Tensor) -> None:
-        """Fresh buffers; the prompt's pairs (feature at t, token t+1) wait for the first roots (the last pair's
-        token). Only the pairs the layout keeps are fed."""
+        """Fresh buffers; the prompt's pairs the layout keeps wait for the first roots (the last pair's token)."""
         b, t = input_ids.shape
         cfg = self.head.config
         device = features.device
         self.stable_slots = self.layout.size(runner.capacity)
         self.capacity = self.stable_slots + self.opt.depth * self.opt.top_k + 1
+        self.dummy = self.capacity - 1  # the slot padded entries write to
         shape = (b, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
         if self.cache is None or tuple(self.cache.keys.shape) != shape:  # else reused: slot_pos says what is held
             self.cache = RowSlotCache(torch.zeros(shape, dtype=self.dtype, device=device),
@@ -163,7 +139,7 @@ class HeadDrafter:
 
     @torch.inference_mode()
     def skip(self, roots: torch.Tensor) -> None:
-        """A plain step instead of a tree: the pending pairs are fed all the same (accept() brings the next ones)."""
+        """A plain step instead of a tree: the pending pairs are fed all the same."""
         with self._drafting():
             self._feed_pending(roots)
 
@@ -173,9 +149,8 @@ class HeadDrafter:
         return self.opt.depth + 1
 
     def accept(self, accepted: Accepted, features: torch.Tensor) -> None:
-        """Row i's pairs: the accepted nodes' true features, each with the token after it (the last: the root).
-        They are padded to path_width (the steady step's one shape) unless a longer path was accepted (a lookup
-        branch's chain)."""
+        """Row i's pairs: the accepted nodes' true features, each with the token after it (the last: the root),
+        padded to path_width (the steady step's shape) unless a longer path was accepted (a lookup chain)."""
         longest = max((len(p) for p in accepted.host_paths), default=0)
         width = self.path_width if longest <= self.path_width else accepted.paths.shape[1]
         nodes = widen(accepted.paths[:, :width], width).clamp_min(0)  # (B, width); padding reads node 0, never used
@@ -192,16 +167,15 @@ class HeadDrafter:
         self._fix_addresses()
 
     def _fix_addresses(self) -> None:
-        """The compiled step writes the KV buffers and slot positions in place: as inputs of fixed address they
-        stay inside its CUDA graph (inductor skips the graph of a step that mutates any other input)."""
-        if self.compiled:  # (begin and keep_rows run eagerly, from the decode loop)
+        """The compiled step mutates these in place: fixed addresses keep them inside its CUDA graph."""
+        if self.compiled:
             for t in (self.cache.keys, self.cache.values, self.slot_pos):
                 torch._dynamo.mark_static_address(t)
 
     @torch.inference_mode()
     def admit(self, row: int, runner, ids: torch.Tensor, features: torch.Tensor) -> None:
-        """Row `row` holds a new prompt (ids (T,), features (T, F)): its pairs the layout keeps are fed now on
-        that row alone, but the last one (its token is the root) waits with the other rows' pending pairs."""
+        """Row `row` holds a new prompt (ids (T,), features (T, F)): its kept pairs are fed now on that row alone,
+        but the last one (its token is the root) waits with the other rows' pending pairs."""
         t = ids.shape[0]
         device = features.device
         positions, valid = self.layout.needed(torch.zeros(1, dtype=torch.long, device=device),
@@ -216,18 +190,15 @@ class HeadDrafter:
             self._feed_pairs(tokens[:, :-1], feats[:, :-1], positions[:, :-1], valid[:, :-1])
         self.cache, self.slot_pos = full
         self.next_pos[row] = t - 1
-        mine = dict(features=feats[:, -1:], tokens=tokens[:, -1:], positions=positions[:, -1:], valid=valid[:, -1:],
-                    is_root=valid[:, -1:])
         width = max(self.pending["tokens"].shape[1], 1)
-        for key, value in mine.items():
+        for key, value in dict(features=feats, tokens=tokens, positions=positions, valid=valid, is_root=valid).items():
             merged = widen(self.pending[key], width)
-            merged[row] = widen(value, width)[0]
+            merged[row] = widen(value[:, -1:], width)[0]
             self.pending[key] = merged
 
-    # ------------------------------------------------------------------------------ head passes
     def _forward(self, tokens, hidden, positions, valid) -> torch.Tensor:
-        """True pairs (B, m) at their rows' slots; each attends the row's held pairs up to its own position.
-        Padded entries (valid False) are written to, and attend only, the dummy slot. Returns (B, m, H)."""
+        """True pairs (B, m) at their rows' slots, each attending its row's held pairs up to its position; invalid
+        entries write and attend only the dummy slot. Returns (B, m, H)."""
         slots = torch.where(valid, self.layout.slots(positions), self.dummy)
         self.slot_pos.scatter_(1, slots, torch.where(valid, positions, -1))
         self.slot_pos[:, self.dummy] = -1
@@ -238,15 +209,13 @@ class HeadDrafter:
         return self.head(tokens, hidden, positions, to_additive(allowed.unsqueeze(1), self.dtype), self.cache)
 
     def _draft(self, roots: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """One drafting step: feed the pending pairs (in chunks for a prompt); the head's output at each row's last
-        pair gives depth 1 of its tree; expand and select. Returns select_tree's tensors."""
+        """One drafting step: feed the pending pairs, take depth 1 from each row's last output, expand and select."""
         last = self._feed_pending(roots)  # (B, 1, H)
         scores, tokens = head_top_k(self.head, last[:, 0], self.opt.top_k)
         return self._expand_tree(roots, last, scores, tokens)
 
     def _feed_pending(self, roots: torch.Tensor) -> torch.Tensor:
-        """Feed the pending pairs, the last one's token being each row's root. Returns each row's head output at
-        its last pair (B, 1, H)."""
+        """Feed the pending pairs (the last one's token: each row's root). Returns the last pair's output (B, 1, H)."""
         p = self.pending
         tokens = torch.where(p["is_root"], roots[:, None], p["tokens"])
         last = self._feed_pairs(tokens, p["features"], p["positions"], p["valid"])
@@ -271,9 +240,8 @@ class HeadDrafter:
         return last
 
     def _expand_tree(self, roots, last, scores, tokens) -> tuple[torch.Tensor, ...]:
-        """Expand every row's tree depth by depth (tree.expand_tree: one head forward per depth for the batch);
-        the frontier is written at shared scratch slots after the stable part and attends each row's true pairs
-        plus its own drafted ancestors. Returns select_tree's tensors."""
+        """tree.expand_tree and select_tree; the frontier is written at the shared scratch slots and attends each
+        row's true pairs plus its own drafted ancestors."""
         b = roots.shape[0]
         held = self.slot_pos >= 0  # (B, capacity): each row's true pairs
         s = self.stable_slots

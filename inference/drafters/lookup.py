@@ -1,17 +1,10 @@
 """Prompt-lookup drafting: copy what followed the latest earlier occurrence of the last few tokens, alone or as
 one more branch beside another drafter's trees.
 
-Draft-free (no model): each row's context is its prompt plus everything generated so far. For n from `max_ngram`
-down to `min_ngram`, find the most recent earlier position where the context's last n tokens occur, and propose the
-(up to) `tokens` tokens that followed it as a chain. Like transformers' `prompt_lookup_num_tokens`, but verified by
-this engine's runner; it pays on outputs that repeat their input (editing, extraction, code, summaries).
-
-LookupBranch composes: beside a drafter's trees (an EAGLE head's, a self-draft's chains) each row's chain is walked
-down from the row's root, sharing the nodes the drafter already proposed (their origin gets both bits), the rest
-hanging from the first token the drafter did not propose, at most `nodes` new nodes a row; beside PlainDrafter it is
-prompt lookup on its own. The rows' trees are padded to the largest with copies of a row's first drafted node (or
-root), which never changes what is accepted (greedy keeps the deepest correct path, first in index order; sampling
-meets one more point-mass proposal, exact for any sequence of proposals).
+LookupBranch hangs each row's chain (prompt and output so far; n-grams from `max_ngram` down to `min_ngram`) from
+its root beside a drafter's tree, sharing the nodes the drafter already proposed. The rows' trees are padded to the
+largest with copies of a row's first drafted node (or root), which never changes what is accepted (greedy keeps the
+first deepest correct path; sampling meets one more point-mass proposal).
 """
 
 from __future__ import annotations
@@ -33,7 +26,7 @@ class NgramIndex:
         self.tokens: list[int] = list(tokens)
         self.latest: dict[tuple[int, ...], int] = {}
         seq, length = self.tokens, len(self.tokens)
-        for n in range(1, max_ngram + 1):  # in bulk (later starts overwrite): 8k tokens ~3.4 ms, half of extend()
+        for n in range(1, max_ngram + 1):  # in bulk (later starts overwrite), faster than extend()
             grams = zip(*(seq[i: length - n + i] for i in range(n)))  # the n-grams starting at 0 .. length-n-1
             self.latest.update(zip(grams, range(length - n)))
 
@@ -47,8 +40,7 @@ class NgramIndex:
             seq.append(token)
 
     def continuation(self, num_tokens: int, min_ngram: int = 1) -> list[int]:
-        """What followed the latest earlier occurrence of the last n tokens (longest n first), at most num_tokens;
-        [] if none: a few dictionary reads, where a scan of an 8k-token context costs milliseconds a step."""
+        """Up to num_tokens tokens after the latest earlier match of the last n tokens (longest n first); [] if none."""
         seq = self.tokens
         for n in range(min(self.max_ngram, len(seq) - 1), min_ngram - 1, -1):
             start = self.latest.get(tuple(seq[len(seq) - n:]))
@@ -57,17 +49,15 @@ class NgramIndex:
         return []
 
 
-def hang_chain(tokens: list[int], parents: list[int], depths: list[int], chain: list[int],
-               limit: int | None = None) -> list[int]:
-    """Walk `chain` down from the root of the tree (tokens, parents, depths: lists, parents before children),
-    sharing the nodes it already has and appending the rest in place, until the tree has `limit` nodes. Returns the
-    nodes the chain went through."""
+def hang_chain(tokens: list[int], parents: list[int], depths: list[int], chain: list[int], limit: int) -> list[int]:
+    """Walk `chain` down from the root of the tree (lists, parents before children), sharing its nodes and appending
+    the rest in place up to `limit` nodes. Returns the nodes the chain went through."""
     child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i > 0}
     node, path = 0, []
     for token in chain:
         found = child.get((node, token))
         if found is None:
-            if limit is not None and len(tokens) >= limit:
+            if len(tokens) >= limit:
                 break
             found = len(tokens)
             tokens.append(token)
@@ -81,7 +71,7 @@ def hang_chain(tokens: list[int], parents: list[int], depths: list[int], chain: 
 
 class LookupBranch:
     """A drafter: `drafter`'s trees with each row's prompt-lookup chain of up to `tokens` merged in, adding at most
-    `nodes` nodes a row (module docstring)."""
+    `nodes` nodes a row."""
 
     def __init__(self, drafter, tokens: int = 10, nodes: int | None = None, max_ngram: int = 3, min_ngram: int = 1):
         if tokens < 1:
@@ -140,11 +130,9 @@ class LookupBranch:
     def propose(self, roots: torch.Tensor, params: SamplingParams,
                 generator: torch.Generator | None = None) -> DraftTree:
         tree = self.drafter.propose(roots, params, generator)
-        chains = []
         for index, root in zip(self.rows, roots.tolist()):
             index.extend([root])
-            chains.append(index.continuation(self.tokens, self.min_ngram))
-        return self._merge(tree, chains)
+        return self._merge(tree, [index.continuation(self.tokens, self.min_ngram) for index in self.rows])
 
     def _merge(self, tree: DraftTree, chains: list[list[int]]) -> DraftTree:
         """`tree` with each row's chain hung from its root (shared nodes reused), the rows padded to the largest."""

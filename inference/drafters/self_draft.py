@@ -1,21 +1,13 @@
 """Self-speculation with a StreamingLLM draft (MagicDec; Chen et al. 2024).
 
-The target drafts for itself: a chain of `gamma` tokens, each one forward of the target attending only a
-constant-size KV — the first `sink` positions (attention sinks) plus the most recent `window` positions — then the
-full-KV target verifies the chain as usual (greedy, or lossless speculative sampling with the draft's q). Once the
-context is long, each step of the full target reads far more KV than weights, while a draft step reads only
-sink + window entries, so drafting stays cheap however long the context grows.
+The target drafts chains of `gamma` for itself, each draft forward attending only the first `sink` and the last
+`window` positions (its own buffers, copied from the target's after every verification); the full target verifies.
+Once the context is long a target step reads far more KV than weights, a draft step only sink + window entries.
+While a batch decodes the buffers keep their batch size (the rows still alive first, the last repeated), so a
+compiled draft step never recompiles as rows leave.
 
-The draft keeps its own buffers (sink + window + gamma slots per row: runners/kv.py's streaming layout). After
-every verification the newly committed entries are copied from the target's full buffers, so the draft holds the
-target's exact KV for the positions it keeps; only its drafted tokens (in scratch slots after the ring) are its own.
-While a batch decodes the draft buffers keep their batch size (the rows still alive first, the last repeated), so a
-compiled draft step never recompiles as rows leave; the padding rows cost no attention nor GEMM work
-(small_gemm.live_entries).
-
-`weights="int8"`: the draft multiplies with an int8 copy of the target's linear weights (small_gemm.int8_weights),
-half the bytes a draft step streams. `vocab`: the target ids the draft may propose (draft_vocab.frequent_tokens);
-a draft step then computes logits over those lm_head rows only. The full target verifies either way: lossless.
+`weights="int8"`: the draft multiplies with an int8 copy of the target's linear weights (small_gemm.int8_weights).
+`vocab`: the target ids the draft may propose (draft_vocab.frequent_tokens), its logits computed over those only.
 """
 
 from __future__ import annotations
@@ -42,7 +34,7 @@ DRAFT_WEIGHTS = ("same", "int8")
 
 
 class StreamingSelfDrafter(Drafter):
-    """A drafter (drafter.Drafter): the target with a StreamingLLM KV drafts chains of `gamma`."""
+    """A drafter: the target with a StreamingLLM KV drafts chains of `gamma`."""
 
     name = "self"
     origin_names = ("self",)
@@ -59,7 +51,6 @@ class StreamingSelfDrafter(Drafter):
             raise ValueError("weights='int8': the model has no linear layer an int8 copy fits (out_features a "
                              "multiple of 32, in_features of 16)")
         self.model = model
-        # the int8 copies go with the drafter, or on close()
         self.close = weakref.finalize(self, release_kernels, model, "int8") if self.int8 else (lambda: None)
         self.cache_argument = cache_argument(model)
         lm_head = model.get_output_embeddings()
@@ -72,9 +63,7 @@ class StreamingSelfDrafter(Drafter):
                 raise ValueError("a draft vocabulary needs an lm_head without bias")
             self.vocab = vocab.to(lm_head.weight.device, torch.long)
             self.vocab_weight = lm_head.weight.detach()[self.vocab].contiguous()  # (K, H)
-        # the draft buffers' guards are skipped (compile_step's `unguarded`): each batch size has its own buffers for
-        # the drafter's life (begin), and its own graph (the tokens' shape); on CPU the step's many small calls are
-        # made from C++ (cpp_wrapper; docs/results/HISTORY_LONG_CONTEXT.md)
+        # the buffers' guards are skipped: each batch size keeps its own buffers (begin) and graph (tokens' shape)
         device = next(model.parameters()).device
         self._step = (compile_step(self._draft_step, device, name="self_draft", unguarded=("self.cache",),
                                    cpp_wrapper=device.type == "cpu") if compile else self._draft_step)
@@ -83,7 +72,8 @@ class StreamingSelfDrafter(Drafter):
         self.gamma = gamma
         self.tree_size = gamma + 1
         self.scratch = self.layout.size(0)  # first draft slot, after the sinks and the ring
-        self.capacity = self.scratch + gamma + 1  # + one dummy slot for padded copies
+        self.capacity = self.scratch + gamma + 1
+        self.dummy = self.capacity - 1  # the slot padded copies write to
         self.kv_length = torch.tensor(self.capacity)  # the attention kernel reads every draft slot
         self.cache: StaticCache | None = None
         self._caches: dict[int, StaticCache] = {}  # batch size -> its draft buffers
@@ -93,25 +83,18 @@ class StreamingSelfDrafter(Drafter):
 
     @property
     def alive(self) -> int:
-        """Rows still decoding (the runner's rows): the first `alive` rows of the draft buffers; the rest repeat
-        the last of them."""
+        """Rows still decoding: the first `alive` rows of the draft buffers; the rest repeat the last of them."""
         return self.runner.batch
 
     @property
-    def dummy(self) -> int:
-        return self.capacity - 1
-
-    @property
     def kv_shape(self) -> tuple[int, ...]:
-        """Shape of one layer's draft key buffer (B, kv_heads, sink + window + gamma + 1, head_dim)."""
-        return tuple(self.cache.layers[0].keys.shape)
+        return tuple(self.cache.layers[0].keys.shape)  # (B, kv_heads, sink + window + gamma + 1, head_dim)
 
     def begin(self, runner, input_ids, attention_mask, features) -> None:
         """Fresh draft buffers for the runner's rows, filled with the prompt's sinks and last `window` entries."""
         self.runner = runner
         b = runner.batch
-        # one set of buffers per batch size, kept: a compiled graph holds on to the buffers it was traced with
-        # (a fresh cache of the same shape would pass its guards while the graph kept writing the old one)
+        # one set of buffers per batch size, kept: a compiled graph keeps writing the buffers it was traced with
         if b not in self._caches:
             self._caches[b] = static_cache(self.model, b, self.capacity)
         self.cache = self._caches[b]
@@ -119,10 +102,9 @@ class StreamingSelfDrafter(Drafter):
         self._refresh(torch.zeros_like(runner.positions), runner.positions)
 
     def _refresh(self, start: torch.Tensor, stop: torch.Tensor, rows: list[int] | None = None) -> None:
-        """Copy each row's committed positions [start_i, stop_i) that the layout keeps from the target's buffers;
-        start, stop (R,) of the rows `rows` (default: every row in use). Per row one gather and one write along the
-        slots for all layers (both caches keep every layer in one tensor, static_cache), not one per layer."""
-        if rows is None:  # the runner's rows; draft rows after them only pad the batch
+        """Copy the kept committed positions [start_i, stop_i) of `rows` (default: the runner's rows; start, stop
+        (R,)) from the target's buffers: per row one copy along the slots for all layers at once."""
+        if rows is None:
             rows = list(range(self.alive))
         index = torch.tensor(rows, device=start.device)
         positions, valid = self.layout.needed(start, stop)
@@ -138,9 +120,8 @@ class StreamingSelfDrafter(Drafter):
 
     def _draft_step(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
                     kv_length: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft token per row (B, 1) over the draft buffers, at the slot the cache's length points to, attention
-        computed for the leading `rows` rows only (0-dim tensor). Returns (last logits (B, V), or (B, K) over a draft
-        vocabulary of K ids; the greedy target ids (B, 1)). The compiled graph when compile is on."""
+        """One draft token per row (B, 1) at the cache's write slot, attention for the leading `rows` rows only (0-dim
+        tensor). Returns (logits (B, V), or (B, K) over a draft vocabulary; the greedy target ids (B, 1))."""
         inputs = dict(input_ids=tokens, position_ids=position_ids, attention_mask=mask, use_cache=True,
                       **{self.cache_argument: self.cache}, **kv_length_kwargs(self.model, kv_length, rows))
         if self.vocab is None:
@@ -158,15 +139,13 @@ class StreamingSelfDrafter(Drafter):
         full = self.slot_pos.shape[0]  # the draft batch: b alive rows, then copies of the last one
         pad = torch.arange(full, device=roots.device).clamp_max(b - 1)
         positions = self.drafted_from[pad][:, None]
-        # additive mask (B, 1, 1, capacity): every held position precedes the root; the chain's slots open one
-        # per depth (each draft token sees the chain so far, itself included)
+        # (B, 1, 1, capacity): every held position precedes the root; the chain's slots open one per depth
         mask = to_additive((self.slot_pos >= 0)[:, None, None, :], self.cache.layers[0].keys.dtype)
         tokens, drafted, qs = roots[pad].view(full, 1), [], []
         self.batches.add(full)
         for d in range(self.gamma):
             mask[..., self.scratch + d] = 0
             set_write_slot(self.cache, self.scratch + d)
-            # the padding rows cost no attention nor GEMM work (their tokens are junk)
             with int8_weights(self.int8), live_entries(b) as rows:
                 logits, greedy = self._step(tokens, positions + d, mask, self.kv_length, rows)
             if params.do_sample:
@@ -182,7 +161,7 @@ class StreamingSelfDrafter(Drafter):
         return DraftTree.chain(roots, torch.cat(drafted, dim=1), torch.stack(qs, dim=1) if qs else None)
 
     def skip(self, roots: torch.Tensor) -> None:
-        """A plain step instead of a draft: accept() then copies what it commits, from the positions as they are."""
+        """A plain step: accept() copies what it commits from the positions as they are now."""
         self.drafted_from = self.runner.positions
 
     def accept(self, accepted, features) -> None:
@@ -197,8 +176,7 @@ class StreamingSelfDrafter(Drafter):
         self._refresh(torch.zeros_like(stop), stop, [row])
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Only `rows` go on: they move to the front of the same buffers (the batch keeps its size, so its
-        compiled graph)."""
+        """Only `rows` go on, moved to the front of the same buffers (the batch keeps its size and graph)."""
         pad = rows[torch.arange(self.slot_pos.shape[0], device=rows.device).clamp_max(rows.shape[0] - 1)]
-        keep_leading_rows(self.cache.drafthead_kv, rows.tolist())  # (the padding rows after them are never read)
+        keep_leading_rows(self.cache.drafthead_kv, rows.tolist())
         self.slot_pos = self.slot_pos[pad]

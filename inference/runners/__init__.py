@@ -15,8 +15,7 @@ from .static import DEFAULT_BUCKETS, StaticRunner
 def make_runner(model: nn.Module, feature_layers: list[int], kind: str = "auto", compile: bool = False,
                 largest_tree: int = 1):
     """The runner of a causal LM: "static", "eager" or "auto" (static where the architecture allows it, else eager
-    with a one-line message). largest_tree: the largest verification tree (root included) it must take; the default
-    buckets get one more bucket of that size where they stop short of it."""
+    with a one-line message). largest_tree (root included) is added as a bucket where the default ones stop short."""
     if kind in ("auto", "static"):
         reason = static_cache_supported(model)
         if reason is None:

@@ -1,9 +1,6 @@
-"""The reference runner: any Hugging Face causal LM driven through its public forward, with a DynamicCache.
-
-For architectures static buffers cannot serve (sliding windows, non-attention layers): one row at a time, the same
-calls as the static runner (static.py). prefill() runs the prompt; verify() runs a whole draft tree in ONE forward
-(4D additive mask, explicit position ids) while HiddenStateCapture hooks record the head's features; commit()
-compacts the KV cache to the accepted path.
+"""The reference runner: any Hugging Face causal LM through its public forward, with a DynamicCache, one row at a
+time, for architectures static buffers cannot serve. Same calls as the static runner; verify() runs a whole draft
+tree in ONE forward (4D additive mask, explicit positions), commit() compacts the cache to the accepted path.
 """
 
 from __future__ import annotations
@@ -90,8 +87,8 @@ class EagerRunner:
     @torch.inference_mode()
     def verify(self, tokens: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor, largest: int = 0):
         """One forward over the tree after the cached prefix: tokens (1, n) root first; depths (1, n); ancestors
-        (1, n, n) bool; `largest` (StaticRunner's padding bound) is unused, nothing is padded here. Returns
-        (logits (1, n, V), features (1, n, F), argmax of the logits (1, n))."""
+        (1, n, n) bool; `largest` is unused (nothing is padded). Returns (logits (1, n, V), features (1, n, F),
+        argmax (1, n))."""
         past = self.cache.get_seq_length()
         n = tokens.shape[1]
         if self.window is not None and past + n > self.window:

@@ -1,15 +1,9 @@
-"""Preallocated KV buffers: transformers' StaticCache with every layer in one tensor, and per-row slots (where each
-row of a batch keeps a logical position in a fixed buffer).
+"""Preallocated KV buffers: transformers' StaticCache with every layer in one tensor, and per-row slots (rows of a
+batch advance by different amounts, so their entries sit at different slots of a fixed buffer).
 
-Rows of a batch advance by different amounts, so their entries sit at different buffer slots. Two layouts:
-
-- full: position p at slot p (the buffer holds every position);
-- streaming (StreamingLLM; Xiao et al. 2023): the first `sink` positions at slots 0..sink-1, every later position
-  in a ring of `window` slots after them, so the buffer holds the attention sinks plus the most recent `window`
-  positions and never grows with the context.
-
-`SlotMap.slots` maps positions to slots; `write_rows` writes per-row entries of (B, kv_heads, S, D) buffers with one
-advanced-indexing op, whatever the rows' offsets; `keep_leading_rows` moves whole rows of a cache tensor.
+Two layouts (SlotMap): full, position p at slot p; streaming (StreamingLLM; Xiao et al. 2023), the first `sink`
+positions at slots 0..sink-1 and every later one in a ring of `window` slots after them, so the buffer never grows
+with the context.
 """
 
 from __future__ import annotations
@@ -33,17 +27,13 @@ class SlotMap:
             raise ValueError(f"streaming KV needs window >= 1 and sink >= 0, got sink={self.sink}, "
                              f"window={self.window}")
 
-    @property
-    def streaming(self) -> bool:
-        return self.window is not None
-
     def size(self, max_positions: int) -> int:
         """Slots needed to hold positions 0..max_positions-1 (constant sink + window when streaming)."""
-        return self.sink + self.window if self.streaming else max_positions
+        return max_positions if self.window is None else self.sink + self.window
 
     def slots(self, positions: torch.Tensor) -> torch.Tensor:
         """Slot of each position (any shape, long)."""
-        if not self.streaming:
+        if self.window is None:
             return positions
         ring = self.sink + (positions - self.sink).remainder(self.window)
         return torch.where(positions < self.sink, positions, ring)
@@ -54,7 +44,7 @@ class SlotMap:
         width = max(int((stop - start).max()), 0) if start.numel() else 0
         positions = start[:, None] + torch.arange(width, device=start.device)  # (B, width)
         keep = positions < stop[:, None]
-        if self.streaming:
+        if self.window is not None:
             keep &= (positions < self.sink) | (positions >= stop[:, None] - self.window)
         order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices  # kept positions first
         positions, keep = positions.gather(1, order), keep.gather(1, order)
@@ -70,9 +60,8 @@ def write_rows(buffer: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor)
 
 def keep_leading_rows(kv: torch.Tensor, rows: list[int], used: list[slice] | None = None) -> None:
     """Make rows `rows` of a cache tensor kv (2, layers, B, kv_heads, S, D) its leading rows, in that order: row j
-    gets what row rows[j] holds (only its slots used[j], when given). Where no row is read after it is overwritten
-    (decoding's case: rows from the back move into the places of rows that stopped), each moving row is copied in
-    place, reading and writing its entries once; otherwise the moving rows are gathered first (all their slots).
+    gets what row rows[j] holds (only its slots used[j], when given). Where no moving row is read after it is
+    overwritten (decoding's case), each is copied in place; otherwise they are gathered first (all their slots).
     Rows that stay in place and rows after len(rows) keep what they hold."""
     moved = [j for j, r in enumerate(rows) if r != j]
     if set(moved).isdisjoint(rows[j] for j in moved):
@@ -100,18 +89,16 @@ def static_cache_supported(model: nn.Module) -> str | None:
 
 
 def buffer_capacity(need: int) -> int:
-    """Slots of a preallocated KV buffer holding `need` tokens. Attention reads the whole buffer every step, so
-    keep it tight: the next multiple of 128, at least MIN_CAPACITY."""
+    """Slots of a KV buffer holding `need` tokens, kept tight (attention may read all of it): the next multiple of
+    CAPACITY_STEP, at least MIN_CAPACITY."""
     return max(MIN_CAPACITY, -(-need // CAPACITY_STEP) * CAPACITY_STEP)
 
 
 def static_cache(model: nn.Module, batch: int, capacity: int) -> StaticCache:
-    """transformers' StaticCache for `batch` rows of `capacity` slots, allocated now in the model's dtype and
-    device (so a compiled step sees fixed buffer addresses from its first call). Every layer's keys and values
-    are views of ONE tensor, `cache.drafthead_kv` (2, layers, batch, kv_heads, capacity, head_dim), and every
-    layer's write position a view of `cache.drafthead_lengths` (layers,): moving the accepted slots of all layers
-    (StaticRunner.commit) and setting the write slot (set_write_slot) are one op each instead of one per layer, which
-    saves Python overhead every step (docs/results/HISTORY.md)."""
+    """transformers' StaticCache for `batch` rows of `capacity` slots, allocated now (so a compiled step sees fixed
+    addresses from its first call). Every layer's keys and values are views of ONE tensor, `cache.drafthead_kv`
+    (2, layers, batch, kv_heads, capacity, head_dim), and every layer's write position a view of
+    `cache.drafthead_lengths` (layers,): moving accepted slots and setting the write slot are one op each."""
     config = model.config.get_text_config(decoder=True)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -132,6 +119,5 @@ def static_cache(model: nn.Module, batch: int, capacity: int) -> StaticCache:
 
 
 def set_write_slot(cache: StaticCache, slot: int) -> None:
-    """The next tokens a forward writes into `cache` land at slots slot, slot+1, ... of every layer (transformers'
-    StaticLayer writes at its cumulative length, a tensor updated in place)."""
+    """The next tokens a forward writes into `cache` land at slots slot, slot+1, ... of every layer."""
     cache.drafthead_lengths.fill_(slot)

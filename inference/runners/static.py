@@ -1,29 +1,14 @@
 """The target runner: B rows (batch 1 is B = 1) in preallocated KV buffers, each row advancing by its own accepted
-length; verify steps of fixed shapes, optionally compiled.
+length; verify steps of fixed shapes, optionally compiled (docs/architecture.md has the design).
 
-Layout of one row in the (B, kv_heads, capacity, head_dim) buffers (transformers' StaticCache, every layer one view
-of a single tensor: kv.static_cache):
+Layout of one row in the (B, kv_heads, capacity, head_dim) buffers (kv.static_cache, every layer one view of a
+single tensor):
 
     [ left padding | committed tokens: slots start_i .. length_i-1 | hole | tree: W .. W+n-1 | ... | scratch ]
 
-- prefill() takes left-padded prompts (B, T) with their attention mask: row i's tokens start at slot start_i; the
-  prompt runs in chunks under SDPA over the used prefix of the buffers.
-- verify() of one row pads its tree to the next size in `buckets` (padded nodes attend only to themselves and are
-  never kept), so each bucket is one shape: one compiled graph (one CUDA graph) per bucket and buffer shape, never a
-  recompile while generating. A batch pads to its drafter's largest tree instead where that is smaller than the
-  bucket: one row's step streams the weights whatever its few tokens, a batch's costs its rows x tokens of work
-  (docs/history.md, the 8k x 8 cell). The trees are written at the same slots W = max_i length_i with per-row positions
-  (length_i - start_i + depth) and a per-row 4D mask: the row's committed range plus its tree's ancestor pattern.
-- commit() copies each row's accepted nodes down to its own length (one gather + one scatter for every layer and
-  row at once), so a row's committed tokens stay contiguous and the hole never outlives a step.
-- The buffers keep their batch size while a batch decodes: the rows in use are always the leading rows
-  (keep_rows() moves the rows still decoding forward), and verify() pads its inputs to the buffers' size, telling
-  the attention kernel and the small-row GEMM the rows in use, so a row that stops costs no more work. admit() puts
-  a waiting request's prefilled KV into a finished row instead (continuous batching).
-
-A compiled graph keeps the buffers it was traced with, so buffers of a new shape (rows, capacity) come with new
-steps, the old ones freed with the old steps. The lengths are mirrored on the host: a step finds where to write
-without a transfer.
+verify() writes every row's tree at W = max_i length_i (per-row positions and 4D mask), padded to a bucket: one
+compiled graph per bucket and buffer shape. commit() copies each row's accepted nodes down to its length, so the
+hole never outlives a step. The rows in use are always the leading ones; the lengths are mirrored on the host.
 """
 
 from __future__ import annotations
@@ -48,9 +33,7 @@ from .compile import compile_step, release_step, scoped_settings
 from .kv import buffer_capacity, keep_leading_rows, set_write_slot, static_cache, static_cache_supported
 
 DEFAULT_BUCKETS = (1, 4, 8, 12, 16, 32, 64)
-# CPU without the small-row kernel: verify steps of up to this many rows x tokens are compiled with inductor's C++
-# GEMM templates (compile_step)
-SMALL_GEMM_ROWS = 4
+SMALL_GEMM_ROWS = 4  # verify steps of up to this many rows x tokens without the kernel: inductor's C++ GEMMs
 PREFILL_CHUNK = 512
 
 
@@ -84,12 +67,10 @@ class StaticRunner:
         self.capture = HiddenStateCapture(model, self.feature_layers).attach() if self.feature_layers else None
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
-        # the attention kernel switched in per session (attention.py), and whether the model's linears multiply a
-        # step's few rows with small_gemm's kernel (bf16 with AVX512-BF16, float32 with AVX2)
+        # the attention kernel of the sessions, and whether the linears multiply a step's rows with small_gemm's
         self.attention = decoding_attention(self.device, self.dtype, compile)
         self.small_rows = use_small_row_kernel(model, float32=True) > 0
         self.quantized = has_gguf_weights(model)  # a GGUF target's own blocks (cpu/gguf_weights.py)
-        # the model as it was handed over once the runner is closed or dropped
         self.release = weakref.finalize(self, release_target, model, self.capture)
         self.buckets = tuple(sorted(buckets))
         self.prefill_chunk = prefill_chunk
@@ -105,8 +86,8 @@ class StaticRunner:
 
     # --------------------------------------------------------------------------------------------- buffers
     def reset(self, batch: int, length: int) -> None:
-        """Buffers for `batch` rows of up to `length` slots each (prompt with its padding + new tokens + the
-        largest tree; room for the largest bucket is added); reused when they already fit."""
+        """Buffers for `batch` rows of up to `length` slots each (prompt with padding + new tokens; room for the
+        largest bucket is added); reused when they already fit."""
         capacity = buffer_capacity(length + self.buckets[-1] + 1)  # + the scratch slot
         if self.cache is None or self.rows != batch or self.capacity < capacity:  # new buffers, new steps
             for step in self._steps.values():
@@ -139,8 +120,7 @@ class StaticRunner:
         return self.length - self.start
 
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(keys, values) of the rows in use of every layer, each (B, kv_heads, capacity, head_dim): views of the
-        leading rows of the buffers."""
+        """(keys, values) views of the rows in use of every layer, each (B, kv_heads, capacity, head_dim)."""
         b = self.batch
         return [(layer.keys[:b], layer.values[:b]) for layer in self.cache.layers]
 
@@ -151,8 +131,8 @@ class StaticRunner:
 
     @torch.inference_mode()
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only `rows` (indices into the rows in use), in that order, as the leading rows of the same buffers;
-        only the rows whose place changes are copied (so keep the rows that stay where they are)."""
+        """Keep only `rows` (indices into the rows in use), in that order, as the leading rows; only the rows whose
+        place changes are copied."""
         index = rows.tolist()
         used = [slice(int(start), self.lengths[k]) for start, k in zip(self.start[rows].tolist(), index)]
         keep_leading_rows(self.cache.drafthead_kv, index, used)
@@ -160,25 +140,21 @@ class StaticRunner:
         self.lengths = [self.lengths[k] for k in index]
 
     def truncate(self, lengths: torch.Tensor) -> None:
-        """Row i forgets every committed token from slot lengths[i] on (a draft model rolling back its rejected
-        drafts); lengths (B,) on the device, none beyond the row's length."""
+        """Row i forgets its committed tokens from slot lengths[i] on (a draft model rolling back); lengths (B,) on
+        the device, none beyond the row's length."""
         self.length = lengths
         self.lengths = lengths.tolist()
 
     def export_rows(self) -> list[dict]:
-        """Each row's committed entries [start_i, length_i) of every layer (to rebuild other batches from the
-        same prefilled prompts with admit)."""
-        rows = []
-        for i, start in enumerate(self.start.tolist()):
-            part = slice(start, self.lengths[i])
-            rows.append({"kv": [(k[i: i + 1, :, part].clone(), v[i: i + 1, :, part].clone())
-                                for k, v in self.layers()]})
-        return rows
+        """Each row's committed entries [start_i, length_i) of every layer (for admit() into other batches)."""
+        return [{"kv": [(k[i: i + 1, :, start: end].clone(), v[i: i + 1, :, start: end].clone())
+                        for k, v in self.layers()]}
+                for i, (start, end) in enumerate(zip(self.start.tolist(), self.lengths))]
 
     @torch.inference_mode()
     def admit(self, row: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Row `row` now holds another request: its prompt's entries `kv` (per layer (keys, values), each
-        (1, kv_heads, T, head_dim), as export_rows() gives them) from slot 0."""
+        """Row `row` now holds another request: its prompt's entries `kv` (export_rows()'s per-layer (keys,
+        values), each (1, kv_heads, T, head_dim)) from slot 0."""
         t = kv[0][0].shape[2]
         if t + self.buckets[-1] >= self.scratch:
             raise RuntimeError(f"a {t}-token request does not fit the KV buffers ({self.capacity} slots)")
@@ -190,9 +166,8 @@ class StaticRunner:
         self.lengths[row] = t
 
     def session(self) -> contextlib.AbstractContextManager:
-        """The runner's decoding session: the compiler settings of its compiled steps (and of its drafter's), the
-        model dispatching attention to the runner's kernel and multiplying a step's rows x tree tokens with the
-        small-row GEMM (kernel_rows)."""
+        """The decoding session: the compiler settings of the compiled steps (the drafter's too), attention
+        dispatched to the runner's kernel, and the small-row GEMM for kernel_rows."""
         stack = contextlib.ExitStack()
         stack.enter_context(scoped_settings(self.device.type != "cuda"))
         stack.enter_context(attention_implementation(self.model, self.attention))
@@ -204,8 +179,7 @@ class StaticRunner:
     @property
     def kernel_rows(self) -> tuple[int, int]:
         """(fewest, most) rows x tokens a step's linears multiply with the small-row kernel ((0, 0): never). Float32
-        at one row compiled leaves up to SMALL_GEMM_ROWS rows to inductor's GEMMs, which beat the kernel there
-        (docs/results/small_gemm_avx2_unrolled_zen3.json) but cost 4-5x more past them (a tree's verification)."""
+        at one row compiled leaves up to SMALL_GEMM_ROWS rows to inductor's GEMMs, which beat the kernel there."""
         if not self.small_rows:
             return 0, 0
         one_row_fp32 = self.rows == 1 and self.compiled and self.dtype == torch.float32 and not self.quantized
@@ -220,8 +194,7 @@ class StaticRunner:
 
     # --------------------------------------------------------------------------------------------- forward
     def _with_features(self, forward) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logits, the head's features or None) of `forward()`, a forward of the model with the feature hooks
-        recording."""
+        """(logits, the head's features or None) of `forward()`, run with the feature hooks recording."""
         if self.capture is not None:
             self.capture.recording = True
         out = forward()
@@ -229,25 +202,23 @@ class StaticRunner:
         if self.capture is not None:
             features = self.capture.stacked(self.feature_layers)
             self.capture.recording = False
-            # left empty, so a compiled step finds the same (empty) dict at every call: one graph, not a second one
-            # compiled for the dict's state after the first call
+            # left empty, so a compiled step finds the same dict at every call (no second graph)
             self.capture.outputs.clear()
         return out.logits, features
 
     def _step_forward(self, input_ids, position_ids, mask, kv_length, rows):
-        """One verify step over the whole buffers (B rows of the buffers, n tokens each; `mask` additive (B, 1, n,
-        capacity)); attention reads the first `kv_length` slots of the leading `rows` rows (0-dim tensors; rows
-        None for a one-row buffer). Returns (logits (B, n, V), features (B, n, F) or None, argmax (B, n)): the
-        compiled graph when compile is on."""
+        """One verify step over all B rows of the buffers, n tokens each (`mask` additive (B, 1, n, capacity));
+        attention reads the first `kv_length` slots of the leading `rows` rows (0-dim tensors; rows None for one
+        row). Returns (logits (B, n, V), features (B, n, F) or None, argmax (B, n))."""
         logits, features = self._with_features(lambda: self.model(
             input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
             **{self.cache_argument: self.cache}, use_cache=True, **kv_length_kwargs(self.model, kv_length, rows)))
-        # the greedy choice inside the graph: a fused argmax beats eager low-precision argmax over the vocabulary
+        # the greedy choice inside the graph: a fused argmax beats an eager one over the vocabulary
         return logits, features, logits.argmax(dim=-1)
 
     def _step(self, size: int) -> Callable:
-        """The verify step of a `size`-token bucket: eager, or its own compiled step for the current buffers (built
-        on first use; few rows x tokens with inductor's C++ GEMMs on CPU)."""
+        """The verify step of a `size`-token bucket: eager, or its compiled step for the current buffers (built on
+        first use)."""
         if not self.compiled:
             return self._step_forward
         if size not in self._steps:
@@ -260,9 +231,9 @@ class StaticRunner:
         return self._steps[size]
 
     def _forward(self, input_ids, position_ids, allowed, write_at: int, kv_length: int | None, keep: int = 0):
-        """One eager forward (B, n tokens at explicit positions) writing at slots write_at..write_at+n-1 of every
-        row, row b's query i attending the slots where allowed[b, i] (bool (B, n, slots)); `kv_length`: the used
-        slots; `keep`: logits of the last `keep` positions only (0: all)."""
+        """One eager forward of (B, n) tokens at explicit positions, written at slots write_at.. of every row;
+        query i of row b attends where allowed[b, i] (bool (B, n, slots)); `kv_length`: the used slots; `keep`:
+        logits of the last `keep` positions only (0: all)."""
         set_write_slot(self.cache, write_at)
         mask = to_additive(allowed.unsqueeze(1), self.dtype)
         return self._with_features(lambda: self.model(
@@ -309,7 +280,7 @@ class StaticRunner:
     @torch.inference_mode()
     def verify(self, tokens: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor,
                largest: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """One forward over every row's tree: tokens (B, n) root first; depths (B, n); ancestors (B, n, n) bool,
+        """One forward over every row's tree: tokens (B, n) root first; depths (B, n); ancestors (B, n, n) bool;
         padded to the next bucket, or for a batch to `largest` (the drafter's largest tree) where that is smaller.
         Returns (logits (B, n, V), features (B, n, F) or None, argmax (B, n))."""
         b, n = tokens.shape

@@ -25,10 +25,8 @@ from ..cpu.kernels import source_digest
 from ..tree import TreeOptions
 from .budget import FULL, QUICK, TuningBudget, auto_tree
 
-# generic chat requests that the tuner drafts and decodes (no asset needed): writing, explaining with code, and
-# correcting a given text, whose answer copies its context nearly word for word, so that the prompt-lookup branch
-# has something to gain in the tuning too; a request to rewrite in another tone was answered with a summary that
-# copied little, and the branch was dropped (docs/history.md)
+# generic chat requests (no asset needed); the correction's answer copies its context nearly word for word, so that
+# the prompt-lookup branch has something to gain in the tuning too (docs/history.md)
 CALIBRATION_PROMPTS = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain in simple terms how a hash table works, with a small Python example.",
@@ -37,13 +35,10 @@ CALIBRATION_PROMPTS = (
     "instead. After that we eat lunch in a small cafe near the river and talk about our plan for the weekend.",
 )
 CALIBRATION_TOKENS = 64
-# the tuning of the real SmolLM2-135M target (fp32, AVX2 CPU, QUICK budget) took about this many times one target
-# forward over a 64-token chunk with two calibration prompts (a third decodes half as much again): the estimate
-# printed before tuning
+# the estimate printed before tuning: TUNING_FORWARDS target forwards over a 64-token chunk (measured with
+# SmolLM2-135M, fp32, AVX2 CPU, QUICK budget), plus, compiled, TUNING_COMPILES step shapes (verify buckets, drafting
+# steps, prefill chunk) at COMPILE_S_PER_LAYER seconds a decoder layer each (measured ~3x apart between CPUs)
 TUNING_FORWARDS = 300
-# compiled (a CPU's tree="auto" compiles by default), the tuning compiles about this many step shapes (its verify
-# buckets, the trial trees' drafting steps, the prefill chunk), each for about this many seconds a decoder layer:
-# a compile's time grows with the graph, and the measured times differ ~3x between CPU kinds (docs/history.md)
 TUNING_COMPILES = 9
 COMPILE_S_PER_LAYER = 2.0
 FORMAT = 3  # bumped when the cached file's meaning changes (1: other calibration prompts; 2: no tree meant no lookup)
@@ -51,9 +46,8 @@ FORMAT = 3  # bumped when the cached file's meaning changes (1: other calibratio
 
 @dataclasses.dataclass
 class TunedTree:
-    """What the tuning chose: the tree (None: plain decoding measured faster), the lookup branch's tokens (0:
-    without it; with no tree, prompt lookup alone), and the decoding rates it measured (tokens/s; the warning's
-    reference)."""
+    """What the tuning chose: the tree (None: plain decoding measured faster), the lookup branch's tokens (0: without
+    it; with no tree, prompt lookup alone), and the tokens/s it measured (the engine's slowdown warning's reference)."""
 
     tree: TreeOptions | None
     lookup_tokens: int
@@ -67,10 +61,8 @@ def machine(device: torch.device) -> str:
         return torch.cuda.get_device_name(device)
     name = platform.processor() or platform.machine()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
+        name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name")), name)
     except OSError:
         pass
     return f"{name} [{' '.join(cpu_flags())}] x{torch.get_num_threads()} threads"
@@ -150,9 +142,8 @@ def estimate_s(model: nn.Module, inputs: list[torch.Tensor], compiled: bool = Fa
 def tuned_tree(model: nn.Module, head: DraftHead, tokenizer: Any, runner: Any, compiled: bool,
                lookup_tokens: int, generator: Any) -> TunedTree:
     """The tree tuned for this target, head, machine and dtype on `runner`: read from the cache, else tuned
-    (QUICK budget on CPU, a one-line notice with an estimate first) and cached. lookup_tokens > 0: the tuning also
-    decides whether the prompt-lookup branch of that many tokens pays. `generator`: the SpeculativeGenerator class
-    the tuning decodes with."""
+    (QUICK budget on CPU, after a notice with an estimate) and cached. lookup_tokens > 0: the tuning also decides
+    whether the prompt-lookup branch of that many tokens pays. `generator`: the SpeculativeGenerator class."""
     device = next(model.parameters()).device
     budget = QUICK if device.type != "cuda" else dataclasses.replace(FULL, trial_trees=2, rounds=1)
     key = cache_key(model, head, runner, compiled, lookup_tokens, budget)
@@ -179,11 +170,8 @@ def tuned_tree(model: nn.Module, head: DraftHead, tokenizer: Any, runner: Any, c
                                 "plain_tokens_per_s": cached.plain_tokens_per_s, "tokens_per_s": cached.tokens_per_s,
                                 "tuning_s": time.perf_counter() - start, "estimate_s": estimate, "report": report})
     if cached.tree is None:
-        if cached.lookup_tokens:
-            then = (f"drafting by prompt lookup alone (up to {cached.lookup_tokens} tokens copied from the context), "
-                    "which measured faster than plain decoding")
-        else:
-            then = "decoding without speculation"
+        then = (f"drafting by prompt lookup alone (up to {cached.lookup_tokens} tokens copied from the context), "
+                "which measured faster than plain decoding") if cached.lookup_tokens else "decoding without speculation"
         print("[drafthead] tree='auto': plain decoding measured faster than every draft tree on this machine; " + then,
               file=sys.stderr)
     return cached

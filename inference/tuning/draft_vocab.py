@@ -20,9 +20,8 @@ from drafthead.paths import cache_dir
 from ..jsonl import iter_jsonl
 
 ASSISTANT = {"gpt", "assistant", "chatgpt", "bard", "bing"}
-# `--draft-vocab auto`: the sizes the tuner tries (besides the unpruned head), and the one it tunes the tree with.
-# Pruned to 4,096 the benchmark head drafted much faster and kept most of its acceptance
-# (docs/results/engine_bench_mtbench80_pruned4096.json); the neighbours are where the balance could tip elsewhere.
+# `--draft-vocab auto`: the sizes the tuner tries besides the unpruned head, and the one it tunes the tree with
+# (4,096 drafted much faster and kept most of the acceptance: docs/results/engine_bench_mtbench80_pruned4096.json)
 AUTO_SIZES = (2048, 4096, 8192)
 AUTO_TUNING_SIZE = 4096
 
