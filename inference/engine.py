@@ -457,9 +457,10 @@ class SpeculativeGenerator:
         rate = stats.new_tokens / max(stats.total_time_s - stats.prefill_time_s, 1e-9)
         if rate < SLOW_MARGIN * self.tuned.plain_tokens_per_s:
             self._warned_slow = True
-            warnings.warn(f"speculative decoding ran at {rate:.1f} tokens/s, below the {self.tuned.plain_tokens_per_s:.1f}"
-                          " tokens/s that plain decoding measured on this machine (tree='none' decodes without "
-                          "speculation)", RuntimeWarning, stacklevel=5)  # the caller of generate
+            warnings.warn(f"speculative decoding ran at {rate:.1f} tokens/s, below the "
+                          f"{self.tuned.plain_tokens_per_s:.1f} tokens/s that plain decoding measured on this machine "
+                          "(tree='none' decodes without speculation)",
+                          RuntimeWarning, stacklevel=5)  # the caller of generate
 
     def _sync(self):
         return synchronizer(self.device) if self.profile else (lambda: None)

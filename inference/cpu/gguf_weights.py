@@ -60,7 +60,8 @@ def pack_gguf_tensor(qtype, blocks: np.ndarray, rows: np.ndarray | None = None) 
 
 def eligible(module: nn.Module) -> bool:
     """A float32 CPU linear small_linear_q can take: out_features a multiple of 16, in_features of 32."""
-    return (isinstance(module, nn.Linear) and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu"
+    weight = getattr(module, "weight", None)
+    return (isinstance(module, nn.Linear) and weight.dtype == torch.float32 and weight.device.type == "cpu"
             and module.out_features % FLOAT_BLOCK == 0 and module.in_features % GROUP == 0)
 
 

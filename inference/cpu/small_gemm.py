@@ -1,7 +1,8 @@
 """Small-row GEMM kernels for the few rows of a decoding step (small_gemm.cpp: bf16 with AVX512-BF16;
 small_gemm_avx2.cpp: float32 with AVX2 + FMA), and the linear layers that use them.
 
-Such a step is bound by reading every weight once, which PyTorch's linears do not do at that size. Each output is
+Such a step is bound by reading every weight once, which PyTorch's linears do not do at that size
+(docs/results/HISTORY.md). Each output is
 summed in the same order whatever the number of rows, so a token's logits do not depend on the tree verified beside
 it. `use_small_row_kernel(model)` turns linears into `SmallRowLinear` in place (same parameters and state dict, plus
 a packed copy of each weight): the kernel inside `small_row_kernel(max_rows)`, exactly nn.Linear elsewhere.
@@ -22,6 +23,7 @@ from .kernels import BLOCK, FLOAT_BLOCK, avx2_kernels_available, kernels_availab
 
 KERNEL_ROWS = 16  # the default row limit: past it a step is no longer bound by reading the weights
 BATCH_KERNEL_ROWS = 64  # a batch's verify step (rows x tree tokens): the kernel still beats oneDNN and MKL there
+# (docs/results/HISTORY.md)
 
 # the switches of small_row_kernel() (row limit 0: outside) and int8_weights(): module globals, so a compiled step
 # guards on them (it skips guards on nn.Module state)

@@ -1,7 +1,7 @@
 """Attention for short query blocks over a preallocated KV buffer, registered with transformers' public
 AttentionInterface: on CPU, SDPA is built for long query blocks and costs several times two small matmuls for the
-1-64 queries of decoding and tree verification. Where the CPU has one, the runners use the C++ kernels
-(`kernel_attention`), which read only the used slots of the buffer in place.
+1-64 queries of decoding and tree verification (docs/results/HISTORY.md). Where the CPU has one, the runners use
+the C++ kernels (`kernel_attention`), which read only the used slots of the buffer in place.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from ..cpu.kernels import avx2_kernels_available, kernels_available
 NAME = "drafthead_matmul"
 # Inside a compiled step, query blocks up to this size are traced (attend() inline, fused by the compiler) rather
 # than calling the opaque prefix_attention op; larger blocks and calls with `rows` keep the op, which slices to the
-# used prefix and skips the rows not in use.
+# used prefix and skips the rows not in use (docs/results/HISTORY.md).
 TRACED_MAX_QUERIES = 16
 PREFILL_NAME = "drafthead_sdpa_prefix"
 
@@ -104,7 +104,8 @@ def kernel_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                      drafthead_kv_length: torch.Tensor | None = None, drafthead_rows: torch.Tensor | None = None,
                      **kwargs) -> tuple[torch.Tensor, None]:
     """The C++ prefix-attention kernels (kernel_op; up to KERNEL_MAX_QUERIES queries): each KV head's used slots
-    read once in place for all its queries, float32 softmax; anything else goes to matmul_attention."""
+    read once in place for all its queries, float32 softmax; anything else goes to matmul_attention
+    (docs/results/HISTORY.md; float32: docs/results/prefix_attention_avx2_ab_zen3.json)."""
     b, _, n, d = query.shape
     op = _KERNEL_OPS.get(query.dtype)
     if (op is None or n > KERNEL_MAX_QUERIES or attention_mask is None or d not in (32, 64, 128)
@@ -123,7 +124,8 @@ AttentionInterface.register(KERNEL_NAME, kernel_attention)
 def prefix_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
                           drafthead_kv_length: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """PyTorch SDPA over the used prefix of a preallocated buffer only: for long query blocks (a prompt's chunks)."""
+    """PyTorch SDPA over the used prefix of a preallocated buffer only: for long query blocks (a prompt's chunks)
+    (docs/results/HISTORY_LONG_CONTEXT.md)."""
     used = int(drafthead_kv_length) if drafthead_kv_length is not None else key.shape[2]
     key, value = key[:, :, :used], value[:, :, :used]
     mask = attention_mask[..., :used] if attention_mask is not None else None

@@ -23,7 +23,8 @@ def own_code(method, name: str = ""):
 
 def compile_setting(compile: bool | str, device: torch.device, tuned: bool = False) -> bool:
     """Whether to compile: True/False (or the CLI's "on"/"off") as given; "auto" compiles on CUDA, and on a CPU
-    for a tuned tree (`tuned`: tree="auto"), where a generator is kept long enough to repay minutes of compile."""
+    for a tuned tree (`tuned`: tree="auto"), where a generator is kept long enough to repay minutes of compile
+    (docs/results/HISTORY.md)."""
     compile = {"on": True, "off": False}.get(compile, compile)
     if compile == "auto":
         return device.type == "cuda" or tuned
@@ -38,7 +39,8 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
     linears sharing an input concatenated. Run the step inside scoped_settings (a runner's session).
     `small_gemm` (CPU, a few rows whose linears do not run small_gemm.py's kernel): inductor's own C++ GEMMs,
     which stream a few rows' weights faster than oneDNN.
-    `cpp_wrapper` (CPU): calls made from generated C++, which pays for steps of many small kernels (drafting).
+    `cpp_wrapper` (CPU): calls made from generated C++, which pays for steps of many small kernels (drafting;
+    docs/results/HISTORY_LONG_CONTEXT.md).
     `name` tells the compiled copies apart in profiles.
     `unguarded`: attribute paths of `fn`'s self (e.g. "self.cache") whose guards are skipped: objects the caller
     never swaps while the step lives, or whose step it releases (release_step) when it does."""

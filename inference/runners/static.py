@@ -179,7 +179,8 @@ class StaticRunner:
     @property
     def kernel_rows(self) -> tuple[int, int]:
         """(fewest, most) rows x tokens a step's linears multiply with the small-row kernel ((0, 0): never). Float32
-        at one row compiled leaves up to SMALL_GEMM_ROWS rows to inductor's GEMMs, which beat the kernel there."""
+        at one row compiled leaves up to SMALL_GEMM_ROWS rows to inductor's GEMMs, which beat the kernel there
+        (docs/results/small_gemm_avx2_unrolled_zen3.json) but cost 4-5x more past them (a tree's verification)."""
         if not self.small_rows:
             return 0, 0
         one_row_fp32 = self.rows == 1 and self.compiled and self.dtype == torch.float32 and not self.quantized

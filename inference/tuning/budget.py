@@ -6,8 +6,8 @@
 3. Replay: the recorded trees cut to each candidate (depth, top_k, total_tokens) give its tokens per step tau;
    predicted tokens/s = tau / (draft + verify + overhead ms).
 4. Trial: the best predicted tree of each of the few best verify sizes, and plain decoding, decode the calibration
-   prompts for real, taking turns (a verification costs more inside decoding than timed alone); measured ms per
-   step times replayed tau decides, and plain decoding wins unless a tree is faster.
+   prompts for real, taking turns (a verification costs more inside decoding than timed alone: docs/results/HISTORY.md);
+   measured ms per step times replayed tau decides, and plain decoding wins unless a tree is faster.
 5. Optional: the chosen tree decodes with the head pruned to a few draft vocabularies (`--draft-vocab auto`; the
    fastest stays), then alone and with the prompt-lookup branch (drafters/lookup.py; LOOKUP_BRANCH_MARGIN).
 """
@@ -61,6 +61,7 @@ QUICK = TuningBudget(calibration=TreeOptions(depth=6, top_k=8, total_tokens=32),
 LARGER_TREE_MARGIN = 1.10
 # the prompt-lookup branch stays unless it measured slower than the tree alone by more than this factor: it costs
 # little where calibration prompts give it nothing to copy and gains much where requests copy from their context
+# (docs/results/api_defaults_vs_bench_auto_mtbench80_spr_amx.json)
 LOOKUP_BRANCH_MARGIN = 0.97
 
 
