@@ -38,7 +38,7 @@ from .drafters.draft_model import DraftModelDrafter, load_draft_model
 from .drafters.eagle import HeadDrafter
 from .drafters.lookup import LookupBranch, prompt_lookup
 from .drafters.self_draft import StreamingSelfDrafter
-from .loading import load_causal_lm, resolve_source
+from .loading import is_gguf, load_causal_lm, resolve_source
 from .runners import StaticRunner, make_runner
 from .runners.compile import compile_setting
 from .runners.static import bucket_for
@@ -289,8 +289,8 @@ class SpeculativeGenerator:
         if device == "auto":
             device = None if loaded else ("cuda" if torch.cuda.is_available() else "cpu")
         fast = dtype == "fast" or (dtype is None and not loaded)
-        if fast:  # bf16 on CUDA and on CPUs with native bf16, else fp32 (drafthead.hardware)
-            dtype = auto_dtype(device or (next(target.parameters()).device if loaded else "cpu"))
+        if fast:  # bf16 on CUDA and on CPUs with native bf16, else (and for a GGUF file on a CPU) fp32
+            dtype = auto_dtype(device or (next(target.parameters()).device if loaded else "cpu"), is_gguf(target))
         elif dtype == "auto":  # the checkpoint's (transformers' meaning); a loaded model keeps its own
             dtype = None
         dtype = parse_dtype(dtype)

@@ -43,6 +43,11 @@ def resolve_source(source: str | Path, what: str) -> str:
     return text
 
 
+def is_gguf(source: Any) -> bool:
+    """Whether `source` names a GGUF file."""
+    return isinstance(source, (str, Path)) and str(source).endswith(".gguf")
+
+
 def load_causal_lm(source: str | Path | nn.Module, dtype: torch.dtype | None = None,
                    tokenizer: Any = None, what: str = "model") -> tuple[nn.Module, Any]:
     """A causal LM (folder, Hub id or GGUF file, or an already loaded model) and its tokenizer (the given one, else

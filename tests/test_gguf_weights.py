@@ -82,6 +82,17 @@ def test_tiny_gguf_target_decodes_as_its_dequantized_model(tmp_path):
         reference.close()
 
 
+def test_a_gguf_file_runs_in_float32_where_fast_would_be_bf16():
+    """Its blocks are multiplied in float32: on a CPU the default ('fast') dtype of a GGUF target is float32, that
+    of a model folder the hardware's."""
+    from drafthead.hardware import auto_dtype, resolve_dtype
+    from inference.loading import is_gguf
+
+    assert is_gguf("models/SmolLM2-135M-Instruct.Q4_1.gguf") and not is_gguf("models/SmolLM2-135M-Instruct")
+    assert resolve_dtype("fast", "cpu", gguf=True) == auto_dtype("cpu", gguf=True) == torch.float32
+    assert resolve_dtype("fast", "cpu") == auto_dtype("cpu")
+
+
 @needs_avx2
 @pytest.mark.real
 def test_smollm2_q4_1_file_decodes_as_the_dequantized_target(smollm2, smollm2_path):

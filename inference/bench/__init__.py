@@ -32,7 +32,7 @@ from ..drafters.draft_model import DraftModelDrafter, load_draft_model
 from ..drafters.lookup import prompt_lookup
 from ..engine import SpeculativeGenerator
 from ..jsonl import iter_jsonl
-from ..loading import load_causal_lm
+from ..loading import is_gguf, load_causal_lm
 from ..runners import make_runner
 from ..runners.compile import compile_setting
 from ..stats import accept_histogram
@@ -315,7 +315,7 @@ def run_bench(args: argparse.Namespace, on_prompt=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
+    dtype = resolve_dtype(args.dtype, device, is_gguf(args.target))
     model, tokenizer = load_causal_lm(args.target, dtype, what="target")
     model = model.to(device).eval()
     if tokenizer is None:
@@ -386,7 +386,8 @@ class DivergenceLog:
 
     def add(self, i: int, ids: torch.Tensor, method: Method, tokens: list[int], plain_tokens: list[int]) -> None:
         if self.reference is None and self.dtype != torch.float32:
-            self.reference = copy.deepcopy(self.model).float()
+            # (nn.Module's own float(): transformers' refuses a model loaded from a GGUF file)
+            self.reference = torch.nn.Module.float(copy.deepcopy(self.model))
             if self.head is not None:
                 self.reference_head = copy.deepcopy(self.head).float().attach_target(self.reference)
         prompt_ids = ids[0].tolist()

@@ -30,7 +30,7 @@ from ..drafter import PlainDrafter
 from ..drafters.eagle import HeadDrafter
 from ..drafters.lookup import LookupBranch
 from ..drafters.self_draft import StreamingSelfDrafter
-from ..loading import load_causal_lm
+from ..loading import is_gguf, load_causal_lm
 from ..runners.compile import compile_setting
 from ..runners.static import StaticRunner
 from ..sampling import SamplingParams
@@ -194,7 +194,7 @@ def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
+    dtype = resolve_dtype(args.dtype, device, is_gguf(args.target))
     model, tokenizer = load_causal_lm(args.target, dtype, what="target")
     model = place_module(model, device, dtype).eval()
     head = load_head(args.draft, target=model, device=device, dtype=dtype) if args.draft else None

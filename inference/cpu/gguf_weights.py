@@ -30,7 +30,8 @@ def _q8_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(N, K/32 · 20) Q4_1 bytes -> (nibbles uint8 (N/16, K, 8), d and m float32 (N/16, K/32, 2, 16))."""
+    """(N, K/32 · 20) Q4_1 bytes -> (nibbles uint8 (N/16, K/2, 16): k = 2p in byte [p, c]'s low nibble and 2p + 1 in
+    its high one, d and m float32 (N/16, K/32, 2, 16))."""
     n = blocks.shape[0]
     b = blocks.reshape(n, -1, 20)
     d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -38,7 +39,7 @@ def _q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     qs = b[..., 4:]  # a block's weight j < 16 in byte j's low nibble, weight 16 + j in its high one (gguf)
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, -1)  # (N, K) values 0..15
     q = q.reshape(n // FLOAT_BLOCK, FLOAT_BLOCK, -1).transpose(0, 2, 1)  # (N/16, K, 16)
-    nibbles = q[..., 0::2] | (q[..., 1::2] << 4)
+    nibbles = q[:, 0::2] | (q[:, 1::2] << 4)
     dm = np.stack([d, m], axis=1).reshape(n // FLOAT_BLOCK, FLOAT_BLOCK, 2, -1).transpose(0, 3, 2, 1)
     return np.ascontiguousarray(nibbles), np.ascontiguousarray(dm)
 

@@ -1,11 +1,11 @@
-// y = x · Wᵀ (+ bias) in float32 for a few rows of x, with AVX2 + FMA: small_gemm.cpp's idea for CPUs without
-// AVX512-BF16, where float32 is the fast dtype.
+// y = x · Wᵀ (+ bias) in float32 for a few rows of x, with AVX2 + FMA (AVX512F where the CPU has it):
+// small_gemm.cpp's idea for float32 models, the fast dtype on CPUs without AVX512-BF16 and a GGUF target's.
 //
 // A decoding step or a tree verification multiplies a handful of rows by every weight of the model, so it is
 // bound by reading the weights once. PyTorch's float32 linear (MKL) does not stream them at that size on an AVX2
 // EPYC (SmolLM2-135M's lm_head at 8 rows: ~2.5 GB/s). The weight is packed once into 16-column blocks, each
-// stored k by k (16 floats, two vectors, per k), so one pass streams a block front to back while 4 rows'
-// accumulators stay in registers; more rows take the same 256-k piece of the block again from L1. Each output
+// stored k by k (16 floats per k), so one pass streams a block front to back while 4 rows' accumulators (16
+// with AVX512F) stay in registers; more rows take the same 256-k piece of the block again from L1. Each output
 // element is summed over k in order whatever the number of rows, so a row's result does not depend on what else
 // is in the batch.
 //
@@ -22,82 +22,123 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "small_linear.h"
 
 namespace {
 
-constexpr int64_t kBlock = 16;   // output columns per block (two vectors of 8 floats)
-constexpr int kMaxRows = 4;      // rows accumulated at once (2 x 4 = 8 accumulator registers; more spill)
+constexpr int64_t kBlock = 16;   // output columns per block (one vector of 16 floats, or two of 8)
 constexpr int64_t kChunk = 256;  // k per pass: a block's 256 x 16 weights (16 KB float) stay in L1 for every row group
 
-// one k of a packed block: its 16 weights as two vectors of 8 floats (int8 ones widened)
-inline void load_weights(const float* b, __m256& b0, __m256& b1) {
-  b0 = _mm256_loadu_ps(b);
-  b1 = _mm256_loadu_ps(b + 8);
+// A block's 16 columns of one k (or of one row's sums), and the few operations the kernel needs on them. Built
+// with AVX512F (where the CPU has it), one 512-bit vector, and 32 registers hold 16 rows' sums, so that a verify
+// of 16 tokens dequantizes and streams each weight once; else two 256-bit vectors and 4 rows. Every lane does the
+// same float32 operations in the same order either way: the results are bit-identical.
+#ifdef __AVX512F__
+constexpr int kMaxRows = 16;  // rows accumulated at once (16 of the 32 registers)
+struct Columns {
+  __m512 v;
+  static Columns zero() { return {_mm512_setzero_ps()}; }
+  static Columns load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static Columns widen(__m128i bytes) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes))}; }  // 16 int8
+  // 16 bytes of two 4-bit values each: the low nibbles and the high ones
+  static void nibbles(__m128i bytes, Columns& low, Columns& high) {
+    const __m512i lanes = _mm512_cvtepu8_epi32(bytes);
+    low = {_mm512_cvtepi32_ps(_mm512_and_si512(lanes, _mm512_set1_epi32(0x0F)))};
+    high = {_mm512_cvtepi32_ps(_mm512_srli_epi32(lanes, 4))};
+  }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  Columns times(const Columns& s) const { return {_mm512_mul_ps(v, s.v)}; }
+  Columns times_plus(const Columns& s, const Columns& o) const { return {_mm512_fmadd_ps(v, s.v, o.v)}; }
+  Columns fma(const float* a, const Columns& w) const { return {_mm512_fmadd_ps(_mm512_set1_ps(*a), w.v, v)}; }
+};
+#else
+constexpr int kMaxRows = 4;  // rows accumulated at once (2 x 4 = 8 accumulator registers; more spill)
+struct Columns {
+  __m256 lo, hi;
+  static Columns zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static Columns load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static Columns widen(__m128i bytes) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(bytes, bytes)))};
+  }
+  static void nibbles(__m128i bytes, Columns& low, Columns& high) {
+    const __m256i lo = _mm256_cvtepu8_epi32(bytes), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+    const __m256i mask = _mm256_set1_epi32(0x0F);
+    low = {_mm256_cvtepi32_ps(_mm256_and_si256(lo, mask)), _mm256_cvtepi32_ps(_mm256_and_si256(hi, mask))};
+    high = {_mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4))};
+  }
+  void store(float* p) const {
+    _mm256_storeu_ps(p, lo);
+    _mm256_storeu_ps(p + 8, hi);
+  }
+  Columns times(const Columns& s) const { return {_mm256_mul_ps(lo, s.lo), _mm256_mul_ps(hi, s.hi)}; }
+  Columns times_plus(const Columns& s, const Columns& o) const {
+    return {_mm256_fmadd_ps(lo, s.lo, o.lo), _mm256_fmadd_ps(hi, s.hi, o.hi)};
+  }
+  Columns fma(const float* a, const Columns& w) const {
+    const __m256 am = _mm256_broadcast_ss(a);
+    return {_mm256_fmadd_ps(am, w.lo, lo), _mm256_fmadd_ps(am, w.hi, hi)};
+  }
+};
+#endif
+
+// one k of a packed block: its 16 weights (int8 ones widened)
+inline Columns load_weights(const float* b) { return Columns::load(b); }
+inline Columns load_weights(const int8_t* b) {
+  return Columns::widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
 }
 
-inline void load_weights(const int8_t* b, __m256& b0, __m256& b1) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
-  b0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-  b1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v)));
-}
-
-// a product the compiler may not fuse with the addition that follows (gguf's dequantization rounds it first)
-inline __m256 rounded_mul(__m256 a, __m256 b) {
-  __m256 p = _mm256_mul_ps(a, b);
-  asm("" : "+x"(p));
-  return p;
-}
-
-// The weights of one packed 16-column block, read k by k from some k on. Plain: float or int8 values, (K, 16).
+// The weights of one packed 16-column block, read from some k on, kStep k's a load. Plain: float or int8 values,
+// (K, 16).
 template <typename W>
 struct Plain {
   const W* p;
+  static constexpr int kStep = 1;
   static constexpr int64_t kPerLine = 64 / (kBlock * sizeof(W));  // k's per cache line
   Plain at(int64_t k0) const { return {p + k0 * kBlock}; }
   const void* ahead(int64_t i) const { return p + (i + kChunk) * kBlock; }
-  void load(int64_t i, __m256& b0, __m256& b1) const { load_weights(p + i * kBlock, b0, b1); }
+  void load(int64_t i, Columns* w) const { w[0] = load_weights(p + i * kBlock); }
 };
 
+// GGUF blocks: a 4- or 8-bit q times a half-precision scale d is exact in float32, so the dequantized weight
+// (gguf's d·q, d·q + m) is one multiplication or one fused multiply-add, rounded as numpy rounds it
 constexpr int64_t kGroup = 32;  // k's per GGUF block (Q8_0, Q4_1), one scale (and minimum) per column each
 
 // Q8_0: int8 q (K, 16) and one float scale d per 32 k and column (K/32, 16): w = q · d
 struct Q8 {
   const int8_t* q;
   const float* d;
+  static constexpr int kStep = 1;
   static constexpr int64_t kPerLine = 64 / kBlock;
   Q8 at(int64_t k0) const { return {q + k0 * kBlock, d + k0 / kGroup * kBlock}; }
   const void* ahead(int64_t i) const { return q + (i + kChunk) * kBlock; }
-  void load(int64_t i, __m256& b0, __m256& b1) const {
-    load_weights(q + i * kBlock, b0, b1);
-    const float* s = d + i / kGroup * kBlock;
-    b0 = rounded_mul(b0, _mm256_loadu_ps(s));
-    b1 = rounded_mul(b1, _mm256_loadu_ps(s + 8));
+  void load(int64_t i, Columns* w) const {
+    w[0] = load_weights(q + i * kBlock).times(Columns::load(d + i / kGroup * kBlock));
   }
 };
 
-// Q4_1: 4-bit q (K, 8 bytes: column 2j in byte j's low nibble, 2j + 1 in its high one) and per 32 k and column a
-// float scale d and minimum m ((K/32, 2, 16): the 16 d's, then the 16 m's): w = q · d + m
+// Q4_1: 4-bit q (K/2, 16 bytes: k = 2p in byte [p, c]'s low nibble, 2p + 1 in its high one) and per 32 k and column
+// a float scale d and minimum m ((K/32, 2, 16): the 16 d's, then the 16 m's): w = q · d + m, two k's a load
 struct Q4 {
   const uint8_t* q;
   const float* dm;
-  static constexpr int64_t kPerLine = 64 / (kBlock / 2);
-  Q4 at(int64_t k0) const { return {q + k0 * kBlock / 2, dm + k0 / kGroup * 2 * kBlock}; }
-  const void* ahead(int64_t i) const { return q + (i + kChunk) * kBlock / 2; }
-  void load(int64_t i, __m256& b0, __m256& b1) const {
-    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i * kBlock / 2));
-    const __m128i nibble = _mm_set1_epi8(0x0F);
-    const __m128i q16 = _mm_unpacklo_epi8(_mm_and_si128(v, nibble), _mm_and_si128(_mm_srli_epi16(v, 4), nibble));
+  static constexpr int kStep = 2;
+  static constexpr int64_t kPerLine = 64 / kBlock * 2;
+  Q4 at(int64_t k0) const { return {q + k0 / 2 * kBlock, dm + k0 / kGroup * 2 * kBlock}; }
+  const void* ahead(int64_t i) const { return q + (i + kChunk) / 2 * kBlock; }
+  void load(int64_t i, Columns* w) const {
     const float* s = dm + i / kGroup * 2 * kBlock;
-    b0 = _mm256_add_ps(rounded_mul(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q16)), _mm256_loadu_ps(s)),
-                       _mm256_loadu_ps(s + kBlock));
-    b1 = _mm256_add_ps(rounded_mul(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q16, 8))),
-                                   _mm256_loadu_ps(s + 8)),
-                       _mm256_loadu_ps(s + kBlock + 8));
+    const Columns d = Columns::load(s), m = Columns::load(s + kBlock);
+    Columns low, high;
+    Columns::nibbles(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i / 2 * kBlock)), low, high);
+    w[0] = low.times_plus(d, m);
+    w[1] = high.times_plus(d, m);
   }
 };
 
@@ -106,50 +147,46 @@ template <int kRows, typename Cursor>
 void block_dot(const float* a, int64_t lda, const Cursor& b, int64_t chunk, bool first, float* out, int64_t ldo) {
   // every loop over the rows unrolled: then the accumulators live in registers only (with one loop left rolled,
   // GCC kept the array in memory too and stored all 8 accumulators on every k: ~1.7x slower at 8 rows)
-  __m256 c[kRows][2];
-#pragma GCC unroll 4
-  for (int m = 0; m < kRows; ++m) {
-    c[m][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + m * ldo);
-    c[m][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + m * ldo + 8);
-  }
-  for (int64_t i = 0; i < chunk; ++i) {
+  Columns c[kRows];
+#pragma GCC unroll 16
+  for (int m = 0; m < kRows; ++m) c[m] = first ? Columns::zero() : Columns::load(out + m * ldo);
+  for (int64_t i = 0; i < chunk; i += Cursor::kStep) {
     // the weights one piece ahead (the block's next piece, or the next block's first: they follow in memory), so
     // that they arrive while this piece is multiplied for every row group (no fault past the end: a hint)
     if (i % Cursor::kPerLine == 0) _mm_prefetch(reinterpret_cast<const char*>(b.ahead(i)), _MM_HINT_T0);
-    __m256 b0, b1;
-    b.load(i, b0, b1);
-#pragma GCC unroll 4
-    for (int m = 0; m < kRows; ++m) {
-      const __m256 am = _mm256_broadcast_ss(a + m * lda + i);
-      c[m][0] = _mm256_fmadd_ps(am, b0, c[m][0]);
-      c[m][1] = _mm256_fmadd_ps(am, b1, c[m][1]);
-    }
+    Columns w[Cursor::kStep];
+    b.load(i, w);
+#pragma GCC unroll 2
+    for (int step = 0; step < Cursor::kStep; ++step)
+#pragma GCC unroll 16
+      for (int m = 0; m < kRows; ++m) c[m] = c[m].fma(a + m * lda + i + step, w[step]);
   }
-#pragma GCC unroll 4
-  for (int m = 0; m < kRows; ++m) {
-    _mm256_storeu_ps(out + m * ldo, c[m][0]);
-    _mm256_storeu_ps(out + m * ldo + 8, c[m][1]);
-  }
+#pragma GCC unroll 16
+  for (int m = 0; m < kRows; ++m) c[m].store(out + m * ldo);
 }
 
 // a piece of `chunk` k's of a packed block as float32 (chunk, 16) in `tile`, exactly as Cursor::load gives them
 template <typename Cursor>
 void widen(const Cursor& b, int64_t chunk, float* tile) {
-  for (int64_t i = 0; i < chunk; ++i) {
+  for (int64_t i = 0; i < chunk; i += Cursor::kStep) {
     if (i % Cursor::kPerLine == 0) _mm_prefetch(reinterpret_cast<const char*>(b.ahead(i)), _MM_HINT_T0);
-    __m256 b0, b1;
-    b.load(i, b0, b1);
-    _mm256_storeu_ps(tile + i * kBlock, b0);
-    _mm256_storeu_ps(tile + i * kBlock + 8, b1);
+    Columns w[Cursor::kStep];
+    b.load(i, w);
+    for (int step = 0; step < Cursor::kStep; ++step) w[step].store(tile + (i + step) * kBlock);
   }
 }
 
 template <typename Cursor>
 using BlockDot = void (*)(const float*, int64_t, const Cursor&, int64_t, bool, float*, int64_t);
 
+// block_dot by row count 1..kMaxRows (entry 0 unused)
+template <typename Cursor, size_t... kRows>
+constexpr std::array<BlockDot<Cursor>, kMaxRows + 1> block_dot_table(std::index_sequence<0, kRows...>) {
+  return {nullptr, block_dot<static_cast<int>(kRows), Cursor>...};
+}
 template <typename Cursor>
-constexpr BlockDot<Cursor> kBlockDot[kMaxRows + 1] = {nullptr, block_dot<1, Cursor>, block_dot<2, Cursor>,
-                                                      block_dot<3, Cursor>, block_dot<4, Cursor>};
+constexpr std::array<BlockDot<Cursor>, kMaxRows + 1> kBlockDot =
+    block_dot_table<Cursor>(std::make_index_sequence<kMaxRows + 1>());
 
 // y (m_total, N) = a (m_total, K) · W (N, K)ᵀ with W's blocks given by block(b) (a cursor at k = 0), then each
 // column times scale (if any) plus bias (if any)
@@ -260,17 +297,17 @@ torch::Tensor small_linear_int8(const torch::Tensor& x, const torch::Tensor& pac
 }
 
 // A GGUF target's quantized weight (gguf_weights.py packs it): x (..., K) float; packed int8 (N/16, K, 16) with
-// scales (N/16, K/32, 16) float (Q8_0), or uint8 (N/16, K, 8) nibbles with scales and minimums (N/16, K/32, 2, 16)
+// scales (N/16, K/32, 16) float (Q8_0), or uint8 (N/16, K/2, 16) nibbles with scales and minimums (N/16, K/32, 2, 16)
 // float (Q4_1); bias (N,) or none -> (..., N) float, bit-identical to small_linear on the dequantized weight;
 // `live` as small_linear's.
 torch::Tensor small_linear_q(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& params,
                              const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& live) {
   const bool q8 = packed.scalar_type() == at::kChar;
   TORCH_CHECK((q8 || packed.scalar_type() == at::kByte) && packed.dim() == 3 && packed.is_contiguous() &&
-                  packed.size(2) == (q8 ? kBlock : kBlock / 2) && packed.size(1) % kGroup == 0,
-              "small_linear_q: packed must be contiguous int8 (N/16, K, 16) or uint8 (N/16, K, 8) with K a multiple "
-              "of 32, got ", packed.scalar_type(), " ", packed.sizes());
-  const int64_t blocks = packed.size(0), k = packed.size(1), n = blocks * kBlock, groups = k / kGroup;
+                  packed.size(2) == kBlock && packed.size(1) * (q8 ? 1 : 2) % kGroup == 0,
+              "small_linear_q: packed must be contiguous int8 (N/16, K, 16) or uint8 (N/16, K/2, 16) with K a "
+              "multiple of 32, got ", packed.scalar_type(), " ", packed.sizes());
+  const int64_t blocks = packed.size(0), k = packed.size(1) * (q8 ? 1 : 2), n = blocks * kBlock, groups = k / kGroup;
   TORCH_CHECK(params.scalar_type() == at::kFloat && params.is_contiguous() &&
                   params.numel() == blocks * groups * kBlock * (q8 ? 1 : 2),
               "small_linear_q: params must be contiguous float (N/16, K/32", q8 ? "" : ", 2", ", 16), got ",
@@ -290,7 +327,7 @@ torch::Tensor small_linear_q(const torch::Tensor& x, const torch::Tensor& packed
   } else {
     const uint8_t* q = packed.data_ptr<uint8_t>();
     multiply<Q4>(rows.data_ptr<float>(), m_live, k,
-                 [=](int64_t b) { return Q4{q + b * k * kBlock / 2, p + b * groups * 2 * kBlock}; }, blocks, nullptr,
+                 [=](int64_t b) { return Q4{q + b * k / 2 * kBlock, p + b * groups * 2 * kBlock}; }, blocks, nullptr,
                  data_or_null(bias_f), out.data_ptr<float>());
   }
   return out.view(out_shape(x, n));
