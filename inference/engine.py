@@ -297,9 +297,10 @@ class SpeculativeGenerator:
         model, tokenizer = load_causal_lm(target, dtype, tokenizer, what="target")
         model = place_module(model, device, dtype).eval()
         ref = next(model.parameters())
-        if dtype is None and not loaded and ref.dtype != auto_dtype(ref.device):  # the meaning that changed
+        fastest = auto_dtype(ref.device, is_gguf(target))
+        if dtype is None and not loaded and ref.dtype != fastest:  # the meaning that changed
             warnings.warn(f"dtype='auto' keeps the checkpoint's {dtype_name(ref.dtype)} (as in transformers); the "
-                          f"hardware's fastest ({dtype_name(auto_dtype(ref.device))} here), which 'auto' meant "
+                          f"hardware's fastest ({dtype_name(fastest)} here), which 'auto' meant "
                           "before, is dtype='fast' (the default)", FutureWarning, stacklevel=2)
         if draft_vocab is not None and tokenizer is None:
             raise ValueError("draft_vocab counts tokens with the target's tokenizer: pass tokenizer=")
