@@ -83,7 +83,8 @@ class SpeculativeGenerator:
                  tree: str | TreeOptions | None = "cpu", runner: Any = "auto", compile: bool | str = "auto",
                  hybrid: bool | None = None, lookup_tokens: int = 10, lookup_nodes: int | None = None,
                  draft_kv: str = "full", sink: int = 4, window: int = 512,
-                 speculate: str | SpeculationSwitch = "always", profile: bool = False, **tree_overrides: int | None):
+                 speculate: str | SpeculationSwitch = "always", draft_weights: str = "auto", profile: bool = False,
+                 **tree_overrides: int | None):
         self.target = target.eval()
         self.tokenizer = tokenizer
         self.device = next(target.parameters()).device
@@ -103,7 +104,7 @@ class SpeculativeGenerator:
         if draft_kv not in ("full", "streaming"):
             raise ValueError(f"draft_kv must be 'full' or 'streaming', got {draft_kv!r}")
         if tree == "auto" and isinstance(draft, DraftHead):
-            tree, hybrid, lookup_tokens = self._tune(draft, hybrid, lookup_tokens)
+            tree, hybrid, lookup_tokens = self._tune(draft, hybrid, lookup_tokens, draft_weights)
         elif tree == "auto":
             tree = "cpu"  # the tree of a head only; other drafters take no tree
         if tree == "none":  # plain decoding, whatever the draft (with hybrid=True: prompt lookup alone)
@@ -113,11 +114,15 @@ class SpeculativeGenerator:
             self.head = draft.eval()
             self.options = tree_options(tree, **tree_overrides)
             streaming = dict(sink=sink, window=window) if draft_kv == "streaming" else {}
-            self.drafter = HeadDrafter(self.head, self.options, compile=self.compile, **streaming)
+            self.drafter = HeadDrafter(self.head, self.options, compile=self.compile, weights=draft_weights,
+                                       **streaming)
         elif draft is None:
             raise ValueError("a drafter is needed unless tree='none' (plain decoding)")
         elif isinstance(draft, Drafter):
             self.drafter = draft
+            if draft_weights not in ("auto", "same"):
+                raise ValueError("draft_weights applies to a DraftHead; a drafter object takes its own (e.g. "
+                                 "StreamingSelfDrafter(weights='int8'))")
             if draft_kv == "streaming" and not isinstance(draft, StreamingSelfDrafter):
                 raise ValueError(f"draft_kv='streaming' applies to a head or to 'self', not to {draft.name}")
         else:
@@ -137,7 +142,7 @@ class SpeculativeGenerator:
         else:
             raise ValueError(f"speculate must be 'always', 'auto' or a SpeculationSwitch, got {speculate!r}")
 
-    def _tune(self, head: DraftHead, hybrid: bool | None, lookup_tokens: int) -> tuple:
+    def _tune(self, head: DraftHead, hybrid: bool | None, lookup_tokens: int, draft_weights: str) -> tuple:
         """tree="auto": (tree or "none", hybrid, lookup_tokens) as tuned (or cached) for this machine on the runner
         this generator then keeps; without a tokenizer (no prompts to tune on), the "cpu" preset."""
         from .tuning.auto import tuned_tree  # (the tuner builds generators itself)
@@ -151,7 +156,7 @@ class SpeculativeGenerator:
             self._owned.append(self._runner)
             self._compile_notice()
         self.tuned = tuned_tree(self.target, head, self.tokenizer, self._runner, self.compile,
-                                lookup_tokens if hybrid is None else 0, type(self))
+                                lookup_tokens if hybrid is None else 0, type(self), draft_weights)
         if hybrid is None and self.tuned.lookup_tokens:
             hybrid, lookup_tokens = True, self.tuned.lookup_tokens
         return self.tuned.tree or "none", bool(hybrid), lookup_tokens
@@ -248,7 +253,7 @@ class SpeculativeGenerator:
         window: int = 512,
         draft_vocab: int | None = None,
         speculate: str | SpeculationSwitch = "always",
-        draft_weights: str = "same",
+        draft_weights: str = "auto",
         profile: bool = False,
         top_k: int | None = None,
     ) -> "SpeculativeGenerator":
@@ -272,7 +277,9 @@ class SpeculativeGenerator:
         `lookup_nodes` of its `lookup_tokens` join each row's tree: drafters/lookup.py). draft_kv="streaming" gives a
         head the same sink + window KV (the draft for long contexts). draft_vocab=N: a head or the self-draft
         proposes only the N tokens ShareGPT's assistant turns use most (tuning/draft_vocab.py); still lossless.
-        draft_weights="int8" (self-speculation): the draft multiplies with an int8 copy of the target's weights.
+        draft_weights: "int8": a head (or the self-draft) drafts with an int8 copy of its weights (of the target's for
+        'self'), still lossless (the target verifies); "auto" (the default): a float32 head does so on a CPU (its
+        activations stay float32, a quarter of the bytes a drafting depth); "same": its own weights.
         speculate="auto": speculate only on the steps where its measured cost pays, plain steps on the others
         (switch.py); "always" speculates on every step; the output is the same either way.
         compile: torch.compile the runner's verify steps (CUDA graphs on CUDA); "auto" compiles on CUDA, and on a CPU
@@ -304,8 +311,6 @@ class SpeculativeGenerator:
                           "before, is dtype='fast' (the default)", FutureWarning, stacklevel=2)
         if draft_vocab is not None and tokenizer is None:
             raise ValueError("draft_vocab counts tokens with the target's tokenizer: pass tokenizer=")
-        if draft_weights != "same" and not (isinstance(draft, str) and draft == "self"):
-            raise ValueError(f"draft_weights={draft_weights!r} applies to the self-draft (draft='self') only")
         if isinstance(draft, str) and draft == "prompt-lookup":
             draft = prompt_lookup(lookup_tokens)
         elif isinstance(draft, str) and draft == "self":
@@ -332,9 +337,13 @@ class SpeculativeGenerator:
         elif draft_vocab is not None and not (isinstance(draft, StreamingSelfDrafter) and draft.vocab is not None):
             raise ValueError("draft_vocab applies to a head or to 'self', not to "
                              f"{getattr(draft, 'name', type(draft).__name__)}")
+        if draft_weights not in ("auto", "same") and not isinstance(draft, (DraftHead, StreamingSelfDrafter)):
+            raise ValueError(f"draft_weights={draft_weights!r} applies to a head or to the self-draft (draft='self'), "
+                             f"not to {getattr(draft, 'name', type(draft).__name__)}")
         return cls(model, draft, tokenizer, tree, runner=runner, compile=compile, hybrid=hybrid,
                    lookup_tokens=lookup_tokens, lookup_nodes=lookup_nodes, draft_kv=draft_kv, sink=sink,
                    window=window, speculate=speculate, profile=profile, depth=depth, top_k=branching,
+                   draft_weights=draft_weights if isinstance(draft, DraftHead) else "auto",
                    total_tokens=total_tokens)
 
     @torch.inference_mode()

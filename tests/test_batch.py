@@ -56,6 +56,8 @@ def generators(target, window: int = 4) -> dict[str, SpeculativeGenerator]:
         "head_oracle": SpeculativeGenerator(target, oracle, tree=TREES["deep"]),
         "head_window": SpeculativeGenerator(target, oracle, tree=TREES["deep"], draft_kv="streaming", sink=2,
                                             window=window),
+        # the head drafting with int8 copies of its weights
+        "head_int8": SpeculativeGenerator(target, oracle, tree=TREES["deep"], draft_weights="int8"),
         "self": SpeculativeGenerator(target, StreamingSelfDrafter(target, sink=2, window=window, gamma=3)),
         # the self-draft proposing only even token ids: its drafts of odd tokens are always rejected
         "self_vocab": SpeculativeGenerator(target, StreamingSelfDrafter(
@@ -413,10 +415,12 @@ def test_batch_refusals():
         SpeculativeGenerator.from_pretrained(target, "self")
     with pytest.raises(ValueError, match="speculate must be"):
         SpeculativeGenerator(target, None, tree="none", speculate="sometimes")
-    with pytest.raises(ValueError, match="applies to the self-draft"):
+    with pytest.raises(ValueError, match="applies to a head or to the self-draft"):
         SpeculativeGenerator.from_pretrained(target, "prompt-lookup", draft_weights="int8")
     with pytest.raises(ValueError, match="weights must be one of"):
         SpeculativeGenerator.from_pretrained(target, "self", draft_kv="streaming", draft_weights="int4")
+    with pytest.raises(ValueError, match="weights must be one of"):
+        SpeculativeGenerator(target, random_head(target).attach_target(target), draft_weights="int4")
     with pytest.raises(NotImplementedError, match="static KV"):
         StaticRunner(tiny_model("mistral", sliding_window=8), [])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from test_inference_greedy import near_bigram_target, oracle_head, prompts
 from tiny import tiny_model
@@ -68,12 +69,14 @@ def test_decoding_trial_times_real_steps():
     assert runner.capacity == capacity
 
 
-def test_auto_tree_picks_a_tree_only_when_it_measures_more_than_plain():
+@pytest.mark.parametrize("draft_weights", ["same", "int8"])
+def test_auto_tree_picks_a_tree_only_when_it_measures_more_than_plain(draft_weights):
+    """Also with the head drafting from int8 copies of its weights (every drafting generator of the tuning)."""
     target = tiny_model("llama")
     head = oracle_head(target).attach_target(target)
     runner = StaticRunner(target, head.config.aux_layer_ids, buckets=(1, 4, 8, 16))
     options, report = budget.auto_tree(target, head, prompts(2, 320, seed=4), max_new_tokens=24, verbose=False,
-                                       runner=runner, generator=SpeculativeGenerator)
+                                       runner=runner, generator=SpeculativeGenerator, draft_weights=draft_weights)
     plain = report["predicted_plain"]["tokens_per_s"]
     trial = report["trial"]  # measured by decoding: one tree per verify bucket, best first
     assert 1 <= len(trial) <= budget.TRIAL_TREES

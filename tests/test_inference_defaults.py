@@ -104,7 +104,7 @@ def test_tree_auto_takes_prompt_lookup_alone_where_it_beat_plain_decoding(folder
     assert torch.equal(gen.generate(ids, max_new_tokens=16).sequences, plain.generate(ids, max_new_tokens=16).sequences)
 
 
-def test_the_cache_key_tells_targets_heads_and_dtypes_apart(folders):
+def test_the_cache_key_tells_targets_heads_dtypes_and_draft_weights_apart(folders):
     from transformers import AutoModelForCausalLM
 
     from drafthead import load_head
@@ -119,6 +119,7 @@ def test_the_cache_key_tells_targets_heads_and_dtypes_apart(folders):
     other_head = tiny_head(model, seed=5)
     assert auto.cache_key(model, other_head, runner, False, 0, auto.QUICK)["head"] != key["head"]
     assert auto.cache_key(model, head, runner, True, 0, auto.QUICK) != key
+    assert auto.cache_key(model, head, runner, False, 0, auto.QUICK, draft_weights="int8") != key
     bf16 = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16)
     changed = auto.cache_key(bf16, head, runner, False, 0, auto.QUICK)
     assert changed["dtype"] == "bfloat16" and changed["target"] != key["target"]

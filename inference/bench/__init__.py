@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import os
 import platform
 import statistics
@@ -24,10 +25,12 @@ from typing import Any
 
 import torch
 
+from drafthead import DraftHead
 from drafthead.hardware import cpu_flags, resolve_device, resolve_dtype
 from drafthead.paths import cache_dir
 from drafthead.utils import atomic_write_bytes, atomic_write_json
 
+from ..cpu.small_gemm import DRAFT_WEIGHTS
 from ..drafters.draft_model import DraftModelDrafter, load_draft_model
 from ..drafters.lookup import prompt_lookup
 from ..engine import SpeculativeGenerator
@@ -162,13 +165,14 @@ def choose_tree(args, model, head, tokenizer, inputs, runner,
         info = {"chosen": dataclasses.asdict(options)}
         if vocab_heads:
             size, rates = choose_draft_vocab(model, vocab_heads, runner, options, calib, args.calibration_tokens,
-                                             generator=SpeculativeGenerator)
+                                             generator=functools.partial(SpeculativeGenerator,
+                                                                         draft_weights=args.draft_weights))
             head = vocab_heads[size]
             info["draft_vocab"] = {"chosen": size, "trial": {str(k): v for k, v in rates.items()}}
         return options, info, head
     options, report = auto_tree(model, head, calib, max_new_tokens=args.calibration_tokens, runner=runner,
                                 lookup_tokens=args.hybrid_tokens if args.auto_lookup else 0, vocab_heads=vocab_heads,
-                                generator=SpeculativeGenerator)
+                                generator=SpeculativeGenerator, draft_weights=args.draft_weights)
     if report["draft_vocab"]:
         head = vocab_heads[report["draft_vocab"]["chosen"]]
     lookup = bool(report["lookup_branch"] and report["lookup_branch"]["chosen"])
@@ -215,9 +219,10 @@ def build_methods(args, model, head, tokenizer, eos, runner, options: TreeOption
             own = target is model
             if drafter is not None:
                 draft = drafter(target, own)
+            weights = args.draft_weights if isinstance(draft, DraftHead) else "auto"
             gen = SpeculativeGenerator(target, draft, tokenizer, tree=tree or "none",
                                        runner=runner if own else "auto", compile=False if not own else args.compile,
-                                       **extra)
+                                       draft_weights=weights, **extra)
             return spec_method(gen, args.max_new_tokens, args.temperature, eos, args.seed)
 
         return build
@@ -430,6 +435,7 @@ def assemble(args, device, dtype, inputs, methods: list[Method], mismatches: lis
                                                               f"{torch.get_num_threads()} threads)",
         "cpu_flags": cpu_flags(),
         "dtype": str(dtype).replace("torch.", ""),
+        "draft_weights": args.draft_weights,
         "torch": torch.__version__,
         "tcmalloc": "tcmalloc" in os.environ.get("LD_PRELOAD", ""),
         "prompts": len(inputs),
@@ -527,6 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile the engine's steps (auto: CUDA only); compile time is reported apart")
     p.add_argument("--device", default="auto", help="auto: CUDA when present, else the CPU")
     p.add_argument("--dtype", default="fast", help="fast: bf16 where the hardware has it, else float32")
+    p.add_argument("--draft-weights", default="auto", choices=DRAFT_WEIGHTS,
+                   help="the head's drafting weights: int8 copies (auto: where its weights are float32 on a CPU)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("bench.json"))

@@ -127,6 +127,26 @@ class Int8CopyLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+DRAFT_WEIGHTS = ("auto", "same", "int8")  # what a drafter multiplies with: its own weights or their int8 copy
+
+
+def int8_drafting(model: nn.Module, weights: str, auto_int8: bool = False) -> bool:
+    """A drafter's `weights` (DRAFT_WEIGHTS) on `model`: "int8" gives it its int8 copies (use_int8_weights; release
+    them with release_kernels(model, "int8")); "auto" does so where `auto_int8` and the weight-only kernel multiplies
+    them (float32 weights on an AVX2 CPU: the draft's activations stay float32), else it is "same". Returns whether
+    the draft multiplies with int8 copies."""
+    if weights not in DRAFT_WEIGHTS:
+        raise ValueError(f"draft weights must be one of {DRAFT_WEIGHTS}, got {weights!r}")
+    if weights == "auto":
+        w = next(model.parameters())
+        weight_only = w.dtype == torch.float32 and w.device.type == "cpu" and avx2_kernels_available()
+        return auto_int8 and weight_only and use_int8_weights(model) > 0
+    if weights == "int8" and use_int8_weights(model) == 0:
+        raise ValueError("draft weights 'int8': the model has no linear layer an int8 copy fits (out_features a "
+                         "multiple of 32, in_features of 16)")
+    return weights == "int8"
+
+
 def int8_weights(active: bool = True) -> contextlib.AbstractContextManager:
     """Inside this context (when `active`) linears with an int8 copy (use_int8_weights) multiply with it."""
     return _module_global("_int8_active", active)

@@ -15,7 +15,8 @@ import torch
 from drafthead.masks import to_additive
 from drafthead.model import DraftHead
 
-from ..cpu.small_gemm import BATCH_KERNEL_ROWS, release_kernels, small_row_kernel, use_small_row_kernel
+from ..cpu.small_gemm import (BATCH_KERNEL_ROWS, int8_drafting, int8_weights, release_kernels, small_row_kernel,
+                              use_small_row_kernel)
 from ..drafter import Accepted, Drafter
 from ..runners.attention import decoding_attention
 from ..runners.compile import compile_step
@@ -35,6 +36,12 @@ def head_top_k(head: DraftHead, hidden: torch.Tensor, k: int) -> tuple[torch.Ten
 def widen(t: torch.Tensor, width: int) -> torch.Tensor:
     """t (B, m, ...) padded with zeros (False) along dim 1 to `width` columns (m <= width)."""
     return torch.cat([t, t.new_zeros((t.shape[0], width - t.shape[1], *t.shape[2:]))], dim=1)
+
+
+def _release(head: DraftHead, int8: bool) -> None:
+    release_kernels(head)
+    if int8:
+        release_kernels(head, "int8")
 
 
 class RowSlotCache:
@@ -61,14 +68,17 @@ class HeadDrafter(Drafter):
     origin_names = ("head",)
 
     def __init__(self, head: DraftHead, options: TreeOptions, sink: int = 0, window: int | None = None,
-                 compile: bool = False):
+                 compile: bool = False, weights: str = "auto"):
         self.head = head.eval()
         self.dtype = next(head.parameters()).dtype
         self.device = next(head.parameters()).device
         # the small-row GEMM and decoding attention kernels, used while it drafts (_drafting)
         use_small_row_kernel(head, float32=True)
         self.attention = decoding_attention(self.device, self.dtype)
-        self.close = weakref.finalize(self, release_kernels, head)
+        # "auto": a float32 head drafts from int8 copies, a quarter of the bytes a depth, accepted as often
+        # (docs/results/gguf_q4_1_draft_weights_int8_spr_amx.json)
+        self.int8 = int8_drafting(head, weights, auto_int8=True)
+        self.close = weakref.finalize(self, _release, head, self.int8)
         self.opt = options
         self.layout = SlotMap(sink, window)
         self.tree_size = self.smallest_tree = options.tree_size  # every tree holds all its total_tokens
@@ -99,7 +109,7 @@ class HeadDrafter(Drafter):
         if self.attention is not None:
             config._attn_implementation = self.attention
         try:
-            with small_row_kernel(BATCH_KERNEL_ROWS):
+            with small_row_kernel(BATCH_KERNEL_ROWS), int8_weights(self.int8):
                 yield
         finally:
             config._attn_implementation = previous

@@ -21,16 +21,13 @@ from transformers import StaticCache
 from drafthead.masks import to_additive
 from drafthead.utils import cache_argument
 
-from ..cpu.small_gemm import int8_weights, live_entries, release_kernels, use_int8_weights
+from ..cpu.small_gemm import int8_drafting, int8_weights, live_entries, release_kernels
 from ..drafter import Drafter
 from ..runners.attention import kv_length_kwargs
 from ..runners.compile import compile_step
 from ..runners.kv import SlotMap, keep_leading_rows, set_write_slot, static_cache
 from ..sampling import SamplingParams, target_probs
 from ..tree import DraftTree
-
-
-DRAFT_WEIGHTS = ("same", "int8")
 
 
 class StreamingSelfDrafter(Drafter):
@@ -44,12 +41,7 @@ class StreamingSelfDrafter(Drafter):
                  vocab: torch.Tensor | None = None, weights: str = "same"):
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
-        if weights not in DRAFT_WEIGHTS:
-            raise ValueError(f"weights must be one of {DRAFT_WEIGHTS}, got {weights!r}")
-        self.int8 = weights == "int8"
-        if self.int8 and use_int8_weights(model) == 0:
-            raise ValueError("weights='int8': the model has no linear layer an int8 copy fits (out_features a "
-                             "multiple of 32, in_features of 16)")
+        self.int8 = int8_drafting(model, weights)
         self.model = model
         self.close = weakref.finalize(self, release_kernels, model, "int8") if self.int8 else (lambda: None)
         self.cache_argument = cache_argument(model)

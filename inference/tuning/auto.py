@@ -79,7 +79,7 @@ def fingerprint(module: nn.Module, config: Any) -> str:
 
 
 def cache_key(model: nn.Module, head: DraftHead, runner: Any, compiled: bool, lookup_tokens: int,
-              budget: TuningBudget) -> dict:
+              budget: TuningBudget, draft_weights: str = "auto") -> dict:
     """The identity of a tuning: (target, head, machine, dtype) and the settings that change the costs (the
     runner, compile, the CPU kernels' sources, torch)."""
     ref = next(model.parameters())
@@ -88,7 +88,7 @@ def cache_key(model: nn.Module, head: DraftHead, runner: Any, compiled: bool, lo
             "head": fingerprint(head, dataclasses.asdict(head.config)), "machine": machine(ref.device),
             "dtype": str(ref.dtype).removeprefix("torch."), "runner": type(runner).__name__, "compile": compiled,
             "lookup_tokens": lookup_tokens, "torch": torch.__version__, "kernels": source_digest(),
-            "budget": repr(budget)}
+            "budget": repr(budget), "draft_weights": draft_weights}
 
 
 def cache_file(key: dict) -> Path:
@@ -140,13 +140,13 @@ def estimate_s(model: nn.Module, inputs: list[torch.Tensor], compiled: bool = Fa
 
 
 def tuned_tree(model: nn.Module, head: DraftHead, tokenizer: Any, runner: Any, compiled: bool,
-               lookup_tokens: int, generator: Any) -> TunedTree:
+               lookup_tokens: int, generator: Any, draft_weights: str = "auto") -> TunedTree:
     """The tree tuned for this target, head, machine and dtype on `runner`: read from the cache, else tuned
     (QUICK budget on CPU, after a notice with an estimate) and cached. lookup_tokens > 0: the tuning also decides
     whether the prompt-lookup branch of that many tokens pays. `generator`: the SpeculativeGenerator class."""
     device = next(model.parameters()).device
     budget = QUICK if device.type != "cuda" else dataclasses.replace(FULL, trial_trees=2, rounds=1)
-    key = cache_key(model, head, runner, compiled, lookup_tokens, budget)
+    key = cache_key(model, head, runner, compiled, lookup_tokens, budget, draft_weights)
     path = cache_file(key)
     cached = read_cached(path, key)
     if cached is None:
@@ -157,7 +157,8 @@ def tuned_tree(model: nn.Module, head: DraftHead, tokenizer: Any, runner: Any, c
               f"{path.parent})", file=sys.stderr, flush=True)
         start = time.perf_counter()
         options, report = auto_tree(model, head, inputs, max_new_tokens=CALIBRATION_TOKENS, runner=runner,
-                                    lookup_tokens=lookup_tokens, budget=budget, verbose=False, generator=generator)
+                                    lookup_tokens=lookup_tokens, budget=budget, verbose=False, generator=generator,
+                                    draft_weights=draft_weights)
         branch = report["lookup_branch"]
         lookup = branch["tokens"] if branch and branch["chosen"] else 0
         if options is not None:  # the chosen tree's trial rate

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -80,8 +81,8 @@ class NodeRecord:
 class RecordingDrafter(HeadDrafter):
     """A HeadDrafter that also records its one row's verified trees and accepted paths (NodeRecords per step)."""
 
-    def __init__(self, head: DraftHead, options: TreeOptions):
-        super().__init__(head, options)
+    def __init__(self, head: DraftHead, options: TreeOptions, weights: str = "auto"):
+        super().__init__(head, options, weights=weights)
         self.records: list[list[NodeRecord]] = []
         self.tree: DraftTree | None = None
 
@@ -149,7 +150,7 @@ def measure_verify_ms(runner, prefix: torch.Tensor, sizes, reps: int = 15) -> di
 
 @torch.inference_mode()
 def measure_draft_ms(runner, head: DraftHead, prefix: torch.Tensor, trees: list[TreeOptions],
-                     reps: int = 5) -> dict[TreeOptions, float]:
+                     reps: int = 5, weights: str = "auto") -> dict[TreeOptions, float]:
     """Median ms of one drafting step for each tree shape: feeding the last verification's two true pairs and
     drafting the next tree. Each timed draft follows a target step, as in decoding, whose weights stream through
     the CPU caches between two drafts (timed back to back, a draft measured half its cost inside decoding)."""
@@ -166,7 +167,7 @@ def measure_draft_ms(runner, head: DraftHead, prefix: torch.Tensor, trees: list[
                      is_root=torch.tensor([[False, True]], device=device))
         out = {}
         for options in trees:
-            drafter = HeadDrafter(head, options)
+            drafter = HeadDrafter(head, options, weights=weights)
             drafter.begin(runner, prefix, torch.ones_like(prefix), features)
             drafter.propose(roots)  # the prompt's pairs
 
@@ -311,6 +312,7 @@ def auto_tree(
     budget: TuningBudget = FULL,
     *,
     generator: Callable[..., Any],
+    draft_weights: str = "auto",
 ) -> tuple[TreeOptions | None, dict]:
     """Choose the tree budget that maximises tokens/s on this device, dtype and `runner` (the one the generator will
     use; default a new static-or-eager runner). Returns (options, report); options is None when plain decoding on
@@ -323,14 +325,15 @@ def auto_tree(
     report["lookup_branch"] holds those "tokens" and whether the branch stays ("chosen": at least
     LOOKUP_BRANCH_MARGIN as fast beside a tree, faster alone; then generate with hybrid=True).
     `budget`: FULL, or QUICK for a bounded first call. `generator`: SpeculativeGenerator (passed in: the engine
-    imports this module for tree="auto")."""
+    imports this module for tree="auto"). `draft_weights`: the head's drafting weights (HeadDrafter's `weights`)."""
     if runner is None:
         runner = make_runner(model, head.config.aux_layer_ids)
     # acceptance does not depend on the runner: record it on an uncompiled one of its own
-    recorder = RecordingDrafter(head, budget.calibration)
+    recorder = RecordingDrafter(head, budget.calibration, draft_weights)
     calibration_runner = "auto" if static_cache_supported(model) else \
         StaticRunner(model, head.config.aux_layer_ids, buckets=(1, budget.calibration.tree_size))
     gen = generator(model, recorder, compile=False, runner=calibration_runner)
+    generator = functools.partial(generator, draft_weights=draft_weights)  # the head's generators below
     records = recorder.records
     overhead_ms = []
     for ids in calibration_inputs:
@@ -345,7 +348,7 @@ def auto_tree(
     verify_ms = measure_verify_ms(runner, prefix, sizes, reps=budget.verify_reps)
     shapes = [TreeOptions(depth=d, top_k=k, total_tokens=max(TOTALS)) for k in budget.top_ks for d in budget.depths]
     draft_ms = {(o.depth, o.top_k): ms
-                for o, ms in measure_draft_ms(runner, head, prefix, shapes, reps=budget.draft_reps).items()}
+                for o, ms in measure_draft_ms(runner, head, prefix, shapes, budget.draft_reps, draft_weights).items()}
     overhead = statistics.median(overhead_ms)
 
     def verify_size(total: int) -> int:  # a tree is padded to the next measured size
