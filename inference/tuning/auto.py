@@ -81,7 +81,7 @@ def fingerprint(module: nn.Module, config: Any) -> str:
 def cache_key(model: nn.Module, head: DraftHead, runner: Any, compiled: bool, lookup_tokens: int,
               budget: TuningBudget, draft_weights: str = "auto") -> dict:
     """The identity of a tuning: (target, head, machine, dtype) and the settings that change the costs (the
-    runner, compile, the CPU kernels' sources, torch)."""
+    runner, compile, the CPU kernels' sources, torch, the head's drafting weights)."""
     ref = next(model.parameters())
     target_config = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}
     return {"format": FORMAT, "target": fingerprint(model, target_config),
