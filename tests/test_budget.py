@@ -54,18 +54,22 @@ def test_verify_sizes_take_turns(monkeypatch):
     assert runner.lengths == [prefix.shape[1]]
 
 
-def test_decoding_trial_times_real_steps():
-    """The trial decodes for real on the runner: plain decoding and each tree get a positive ms per step, and the
+def test_decoding_trial_measures_real_steps():
+    """The trial decodes for real on the runner, the variants taking turns: plain decoding, trees and a tree with the
+    prompt-lookup branch each get positive tokens/s and ms per step and tau >= 1 (plain: about 1), and the
     runner's buffers are left as they were sized."""
     target = tiny_model("llama")
     head = oracle_head(target).attach_target(target)
     runner = StaticRunner(target, head.config.aux_layer_ids, buckets=(1, 4, 8))
     runner.reset(1, 200)  # sized for longer sequences than the trial's: it reuses these buffers
     capacity = runner.capacity
-    trees = [None, TreeOptions(depth=2, top_k=2, total_tokens=3), TreeOptions(depth=3, top_k=2, total_tokens=7)]
-    ms = budget.measure_decoding_ms(target, head, runner, trees, prompts(2, 320, seed=5), max_new_tokens=12,
-                                    rounds=1, generator=SpeculativeGenerator)
-    assert set(ms) == set(trees) and all(v > 0 for v in ms.values())
+    small, large = TreeOptions(depth=2, top_k=2, total_tokens=3), TreeOptions(depth=3, top_k=2, total_tokens=7)
+    variants = {"plain": (None, {"tree": "none"}), "small": (head, {"tree": small}), "large": (head, {"tree": large}),
+                "lookup": (head, {"tree": small, "hybrid": True, "lookup_tokens": 4})}
+    rates = budget.decode_trial(SpeculativeGenerator, target, runner, variants, prompts(2, 320, seed=5),
+                                max_new_tokens=12, rounds=1)
+    assert set(rates) == set(variants) and rates["plain"]["tau"] == pytest.approx(1, abs=0.1)  # (prefill: +1 token)
+    assert all(r["tokens_per_s"] > 0 and r["step_ms"] > 0 and r["tau"] >= 1 for r in rates.values())
     assert runner.capacity == capacity
 
 
@@ -117,14 +121,15 @@ def test_a_larger_tree_must_win_the_trial_by_a_margin():
 def test_lookup_branch_is_kept_only_when_measured_at_least_as_fast():
     """lookup_tokens > 0: the chosen tree decodes alone and with the prompt-lookup branch of what tokens the
     tree's next bucket and the runner's largest bucket leave beside it (none: not tried), the faster of the two
-    kept; the report keeps the measured rates and the branch only where it was not slower (but for a margin). Without lookup_tokens
-    nothing is tried."""
+    kept; the report keeps the measured rates and the branch only where it was not slower (but for a margin).
+    Without lookup_tokens nothing is tried."""
     target = near_bigram_target()  # the oracle head drafts it exactly: a tree beats plain decoding by far
     head = oracle_head(target).attach_target(target)
     runner = StaticRunner(target, head.config.aux_layer_ids, buckets=(1, 4, 8, 16))
     calib = [torch.cat([p, p, p], dim=1) for p in prompts(2, 320, seed=4)]  # repeats: the lookup finds matches
+    # lookup_tokens: more than the largest bucket (16) can hold
     options, report = budget.auto_tree(target, head, calib, max_new_tokens=24, verbose=False, runner=runner,
-                                       lookup_tokens=20, generator=SpeculativeGenerator)  # more than the largest bucket (16) can hold
+                                       lookup_tokens=20, generator=SpeculativeGenerator)
     assert options is not None
     branch = report["lookup_branch"]
     rates = branch["tokens_per_s"]
@@ -155,18 +160,3 @@ def test_prompt_lookup_alone_is_tried_where_no_tree_won():
     assert options is None and report["chosen"] == "none" and branch["tokens"] == 3
     rates = branch["tokens_per_s"]
     assert rates["tree_alone"] > 0 and branch["chosen"] == (rates["with_lookup"] > rates["tree_alone"])
-
-
-def test_lookup_branch_rates_count_real_tokens():
-    """The two generators decode the same prompts in turns: tokens/s is new tokens over decode time, positive for
-    both, and the runner keeps its buffers."""
-    target = tiny_model("llama")
-    head = oracle_head(target).attach_target(target)
-    runner = StaticRunner(target, head.config.aux_layer_ids, buckets=(1, 4, 8))
-    runner.reset(1, 200)  # sized for longer sequences than the trial's: it reuses these buffers
-    capacity = runner.capacity
-    rates = budget.measure_lookup_branch(target, head, runner, TreeOptions(depth=2, top_k=2, total_tokens=3),
-                                         (3, 4), prompts(2, 320, seed=5), max_new_tokens=12, rounds=1,
-                                         generator=SpeculativeGenerator)
-    assert set(rates) == {0, 3, 4} and all(v > 0 for v in rates.values())
-    assert runner.capacity == capacity

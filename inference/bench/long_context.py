@@ -5,7 +5,6 @@ as "User: ...\n\nAssistant: ...", short ones joined in file order. Nothing is do
 from __future__ import annotations
 
 import hashlib
-import heapq
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -67,17 +66,9 @@ def long_documents(path: Path | None = None, min_chars: int = 20000, limit: int 
     """Distinct texts of >= min_chars characters from ShareGPT (default: the cached sharegpt.jsonl): single
     conversations, then runs of shorter ones joined; each group longest first, ties in file order."""
     path = Path(path) if path is not None else default_path()
-    singles: list[tuple[int, int, str]] = []  # (length, -order, text), a min-heap bounded by `limit`
-    joined: list[tuple[int, int, str]] = []
-    for order, (single, text) in enumerate(_iter_documents(path, min_chars)):
-        heap = singles if single else joined
-        item = (len(text), -order, text)
-        if limit is None or len(heap) < limit:
-            heapq.heappush(heap, item)
-        elif item > heap[0]:
-            heapq.heapreplace(heap, item)
-    docs = [text for heap in (singles, joined) for _, _, text in sorted(heap, reverse=True)]
-    return docs[:limit] if limit is not None else docs
+    docs = sorted(((not single, -len(text), order, text)
+                   for order, (single, text) in enumerate(_iter_documents(path, min_chars))))
+    return [text for *_, text in docs[:limit]]
 
 
 def chat_token_ids(tokenizer: Any, content: str) -> list[int]:
@@ -108,14 +99,6 @@ def _fit(tokenizer: Any, doc_ids: list[int], instruction: str, context: int, ove
     return None
 
 
-def _candidates(path: Path, min_chars: int, first: int) -> Iterator[str]:
-    """long_documents in order: the first `first` of them, then (only if needed) the rest, rescanning the file."""
-    docs = long_documents(path, min_chars=min_chars, limit=first)
-    yield from docs
-    if len(docs) == first:
-        yield from long_documents(path, min_chars=min_chars)[first:]
-
-
 def long_prompts(tokenizer: Any, context: int, count: int, path: Path | None = None,
                  task: str = "continue") -> list[list[int]]:
     """`count` distinct chat prompts of exactly `context` tokens: each one user turn, a different document cut to fit
@@ -131,7 +114,7 @@ def long_prompts(tokenizer: Any, context: int, count: int, path: Path | None = N
     max_chars = 12 * context  # enough text for `context` tokens in any language; tokenized in one call
     prompts: list[list[int]] = []
     seen: set[tuple[int, ...]] = set()
-    for doc in _candidates(path, 5 * context, 2 * count + 16):  # ~4 characters a token in English prose
+    for doc in long_documents(path, 5 * context):  # ~4 characters a token in English prose
         text = doc[:max_chars]
         if any(s in text for s in specials):  # e.g. a literal "<|im_end|>" would read as a control token
             continue

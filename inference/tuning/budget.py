@@ -181,11 +181,13 @@ def measure_draft_ms(runner, head: DraftHead, prefix: torch.Tensor, trees: list[
         return out
 
 
-def _decode_in_turns(generator: Callable[..., Any], model: nn.Module, runner, variants: dict,
-                     inputs: list[torch.Tensor], max_new_tokens: int, rounds: int) -> dict:
-    """{key: [GenerationStats]} of real greedy generations of `inputs` on `runner` by one generator per variant
-    ({key: (draft, generator keywords)}), taking turns prompt by prompt for `rounds` rounds after an untimed warm-up
-    (every verify bucket its drafter may fill, lest one only some prompt reaches compile while timed; a generation)."""
+def decode_trial(generator: Callable[..., Any], model: nn.Module, runner, variants: dict,
+                 inputs: list[torch.Tensor], max_new_tokens: int, rounds: int = TRIAL_ROUNDS) -> dict:
+    """{key: {"tokens_per_s", "tau", "step_ms"}} of real greedy generations of `inputs` on `runner` by one generator
+    per variant ({key: (draft, generator keywords)}), taking turns prompt by prompt for `rounds` rounds after an
+    untimed warm-up (every verify bucket its drafter may fill, lest one only some prompt reaches compile while timed;
+    a generation). tokens_per_s and tau: all generations together, prefill excluded; step_ms: the median
+    generation's ms per step."""
     compiled = getattr(runner, "compiled", False)
     gens = {key: generator(model, draft, runner=runner, compile=compiled, **kw)
             for key, (draft, kw) in variants.items()}
@@ -198,39 +200,11 @@ def _decode_in_turns(generator: Callable[..., Any], model: nn.Module, runner, va
         for ids in inputs:
             for key, gen in gens.items():
                 stats[key].append(gen.generate(ids, max_new_tokens=max_new_tokens).stats)
-    return stats
-
-
-def _rates(stats: dict) -> dict:
-    """{key: {"tokens_per_s", "tau"}} of _decode_in_turns's stats: new tokens over decode time (prefill excluded)
-    and per step, all prompts and rounds together."""
-    return {key: {"tokens_per_s": sum(s.new_tokens for s in runs) /
-                  sum(s.total_time_s - s.prefill_time_s for s in runs),
-                  "tau": sum(s.new_tokens for s in runs) / max(sum(len(s.accept_lengths) for s in runs), 1)}
+    decode_s = lambda s: s.total_time_s - s.prefill_time_s  # noqa: E731
+    return {key: {"tokens_per_s": sum(s.new_tokens for s in runs) / sum(map(decode_s, runs)),
+                  "tau": sum(s.new_tokens for s in runs) / max(sum(len(s.accept_lengths) for s in runs), 1),
+                  "step_ms": statistics.median(1000 * decode_s(s) / max(len(s.accept_lengths), 1) for s in runs)}
             for key, runs in stats.items()}
-
-
-def measure_decoding_ms(model: nn.Module, head: DraftHead, runner, trees: list[TreeOptions | None],
-                        inputs: list[torch.Tensor], max_new_tokens: int, rounds: int = TRIAL_ROUNDS, *,
-                        generator: Callable[..., Any]) -> dict:
-    """{tree: median ms per decoding step (prefill excluded)} of real greedy generations of `inputs` on `runner`
-    (None: plain decoding), the trees taking turns."""
-    variants = {tree: (head if tree else None, {"tree": tree or "none"}) for tree in trees}
-    stats = _decode_in_turns(generator, model, runner, variants, inputs, max_new_tokens, rounds)
-    return {tree: statistics.median(1000 * (s.total_time_s - s.prefill_time_s) / max(len(s.accept_lengths), 1)
-                                    for s in runs) for tree, runs in stats.items()}
-
-
-def measure_lookup_branch(model: nn.Module, head: DraftHead, runner, tree: TreeOptions | None,
-                          lookup_tokens: tuple[int, ...], inputs: list[torch.Tensor], max_new_tokens: int,
-                          rounds: int = TRIAL_ROUNDS, *, generator: Callable[..., Any]) -> dict[int, float]:
-    """Decoding tokens/s (_rates) of the head's `tree` alone (key 0) and with the prompt-lookup branch of up to n
-    tokens (key n, for each n of `lookup_tokens`), taking turns on `runner`; tree None: plain decoding and prompt
-    lookup alone. Measured, not replayed: the branch's copies of the context are unknown to the recorded trees."""
-    variants = {n: (head, {"tree": tree or "none", "hybrid": n > 0, "lookup_tokens": max(n, 1)})
-                for n in (0, *lookup_tokens)}
-    rates = _rates(_decode_in_turns(generator, model, runner, variants, inputs, max_new_tokens, rounds))
-    return {n: rate["tokens_per_s"] for n, rate in rates.items()}
 
 
 def choose_draft_vocab(model: nn.Module, heads: dict[int, DraftHead], runner, tree: TreeOptions,
@@ -238,9 +212,9 @@ def choose_draft_vocab(model: nn.Module, heads: dict[int, DraftHead], runner, tr
                        verbose: bool = True, *, generator: Callable[..., Any]) -> tuple[int, dict]:
     """The fastest draft vocabulary: `heads` maps a size to the head pruned to it (DraftHead.pruned; the unpruned
     head under its own size), and each decodes `inputs` with `tree` on `runner`, taking turns; a smaller one
-    drafts faster but never drafts the tokens left out. Returns (chosen size, {size: {"tokens_per_s", "tau"}})."""
+    drafts faster but never drafts the tokens left out. Returns (chosen size, {size: decode_trial's rates})."""
     variants = {size: (head, {"tree": tree}) for size, head in sorted(heads.items())}
-    rates = _rates(_decode_in_turns(generator, model, runner, variants, inputs, max_new_tokens, rounds))
+    rates = decode_trial(generator, model, runner, variants, inputs, max_new_tokens, rounds)
     chosen = max(rates, key=lambda size: rates[size]["tokens_per_s"])
     if verbose:
         trial = ", ".join(f"{size}: {r['tokens_per_s']:.1f} tok/s tau {r['tau']:.2f}" for size, r in rates.items())
@@ -368,8 +342,9 @@ def auto_tree(
         best_by_size.setdefault(verify_size(row[5]), row)
     taus = {TreeOptions(depth=d, top_k=k, total_tokens=n): tau
             for _, tau, _, d, k, n in list(best_by_size.values())[:budget.trial_trees]}
-    trial_ms = measure_decoding_ms(model, head, runner, [None, *taus], calibration_inputs, max_new_tokens,
-                                   rounds=budget.rounds, generator=generator)
+    variants = {tree: (head if tree else None, {"tree": tree or "none"}) for tree in [None, *taus]}
+    trial_ms = {tree: rate["step_ms"] for tree, rate in decode_trial(
+        generator, model, runner, variants, calibration_inputs, max_new_tokens, budget.rounds).items()}
     plain_ms = trial_ms.pop(None)
     measured = [(1000 * tau / trial_ms[o], tau, trial_ms[o], o.depth, o.top_k, o.total_tokens)
                 for o, tau in taus.items()]
@@ -396,8 +371,11 @@ def auto_tree(
                              "skipped": f"the tree fills the runner's largest verify bucket ({buckets[-1]})" if options
                              else "the runner verifies one token a step"}
         else:
-            rates = measure_lookup_branch(model, head, runner, options, counts, calibration_inputs, max_new_tokens,
-                                          rounds=budget.rounds, generator=generator)
+            # measured, not replayed: the branch's copies of the context are unknown to the recorded trees
+            variants = {n: (head, {"tree": options or "none", "hybrid": n > 0, "lookup_tokens": max(n, 1)})
+                        for n in (0, *counts)}  # 0: the tree (or plain decoding) alone
+            rates = {n: rate["tokens_per_s"] for n, rate in decode_trial(
+                generator, model, runner, variants, calibration_inputs, max_new_tokens, budget.rounds).items()}
             best = max(counts, key=rates.__getitem__)
             # beside a tree it stays unless measurably slower; alone, it must beat plain decoding
             chosen = rates[best] >= LOOKUP_BRANCH_MARGIN * rates[0] if options is not None else rates[best] > rates[0]
