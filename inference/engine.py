@@ -343,6 +343,7 @@ class SpeculativeGenerator:
         return cls(model, draft, tokenizer, tree, runner=runner, compile=compile, hybrid=hybrid,
                    lookup_tokens=lookup_tokens, lookup_nodes=lookup_nodes, draft_kv=draft_kv, sink=sink,
                    window=window, speculate=speculate, profile=profile, depth=depth, top_k=branching,
+                   # the self-draft took its weights above; the others were refused there
                    draft_weights=draft_weights if isinstance(draft, DraftHead) else "auto",
                    total_tokens=total_tokens)
 

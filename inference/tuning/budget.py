@@ -307,7 +307,8 @@ def auto_tree(
     calibration_runner = "auto" if static_cache_supported(model) else \
         StaticRunner(model, head.config.aux_layer_ids, buckets=(1, budget.calibration.tree_size))
     gen = generator(model, recorder, compile=False, runner=calibration_runner)
-    generator = functools.partial(generator, draft_weights=draft_weights)  # the head's generators below
+    # the generators below: the head's draft with these weights (plain decoding's, draft None, takes no draft weights)
+    generator = functools.partial(generator, draft_weights=draft_weights)
     records = recorder.records
     overhead_ms = []
     for ids in calibration_inputs:
