@@ -422,21 +422,12 @@ class SpeculativeGenerator:
         return QueueOutput(new, stats)
 
     def _run(self, ids: torch.Tensor, mask: torch.Tensor, queue: list[torch.Tensor] = (), prefill_group: int = 8,
-             streamer: Any = None, max_new_tokens: int | None = None, temperature: float | None = None,
-             top_p: float | None = None, top_k: int | None = None, do_sample: bool | None = None,
-             eos_token_id: int | list[int] | None = None, stop_strings: list[str] | str | None = None,
-             generation_config: Any = None, seed: int | None = None, generator: torch.Generator | None = None,
-             tokenizer: Any = None) -> tuple[list[list[int]], GenerationStats]:
-        """Decode the left-padded rows `ids` (B, T), then the `queue` of waiting prompts in the rows that free up.
-        Returns each row's (then each queued prompt's) new tokens and the stats."""
+             streamer: Any = None, **settings: Any) -> tuple[list[list[int]], GenerationStats]:
+        """Decode the left-padded rows `ids` (B, T), then the `queue` of waiting prompts in the rows that free up;
+        `settings`: generate()'s sampling and stopping arguments. Returns each row's (then each queued prompt's) new
+        tokens and the stats."""
         t_start = time.perf_counter()
-        gc = generation_config
-        params, max_new_tokens, generator = self._settings(gc, temperature, top_k, top_p, do_sample, max_new_tokens,
-                                                           seed, generator)
-
-        def stopper() -> Stopper:
-            return self._stopper(gc, eos_token_id, stop_strings, tokenizer, max_new_tokens)
-
+        params, max_new_tokens, generator, stopper = self._settings(**settings)
         stats = GenerationStats()
         waiting = None
         if queue:
@@ -447,9 +438,10 @@ class SpeculativeGenerator:
         runner = self.runner
         longest = max([ids.shape[1]] + [len(p) for p in queue])
         runner.reset(ids.shape[0], longest + max_new_tokens + self.drafter.tree_size)
+        sync = synchronizer(self.device) if self.profile else (lambda: None)
         with runner.session(), self.drafter.session():
             new = decode(runner, self.drafter, ids, mask, params, [stopper() for _ in range(ids.shape[0])],
-                         generator, stats, self._sync(), waiting=waiting, switch=self.switch, streamer=streamer)
+                         generator, stats, sync, waiting=waiting, switch=self.switch, streamer=streamer)
         stats.rows_new_tokens = [len(row) for row in new]
         stats.new_tokens = sum(stats.rows_new_tokens)
         stats.total_time_s = time.perf_counter() - t_start
@@ -473,12 +465,15 @@ class SpeculativeGenerator:
                           "(tree='none' decodes without speculation)",
                           RuntimeWarning, stacklevel=5)  # the caller of generate
 
-    def _sync(self):
-        return synchronizer(self.device) if self.profile else (lambda: None)
-
-    def _settings(self, gc: Any, temperature, top_k, top_p, do_sample, max_new_tokens, seed, generator):
-        """(sampling parameters, max_new_tokens, generator) from generate()'s arguments and the generation config:
-        explicit arguments win; 20 new tokens by default; a generator seeded with `seed` where none is given."""
+    def _settings(self, max_new_tokens: int | None = None, temperature: float | None = None,
+                  top_p: float | None = None, top_k: int | None = None, do_sample: bool | None = None,
+                  eos_token_id: int | list[int] | None = None, stop_strings: list[str] | str | None = None,
+                  generation_config: Any = None, seed: int | None = None, generator: torch.Generator | None = None,
+                  tokenizer: Any = None) -> tuple[SamplingParams, int, torch.Generator | None, Any]:
+        """(sampling parameters, max_new_tokens, generator, a maker of one row's Stopper) from generate()'s arguments
+        and the generation config: explicit arguments win; 20 new tokens by default; a generator seeded with `seed`
+        where none is given; eos from the arguments, else the generation config, else the target's."""
+        gc = generation_config
         params = SamplingParams.make(temperature, top_k, top_p, do_sample, gc)
         if max_new_tokens is None:
             max_new_tokens = getattr(gc, "max_new_tokens", None) or 20
@@ -486,7 +481,15 @@ class SpeculativeGenerator:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         if generator is None and seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
-        return params, max_new_tokens, generator
+        if eos_token_id is None:
+            eos_token_id = getattr(gc, "eos_token_id", None)
+        if eos_token_id is None:
+            eos_token_id = getattr(getattr(self.target, "generation_config", None), "eos_token_id", None)
+        eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
+        stop = getattr(gc, "stop_strings", None) if stop_strings is None else stop_strings
+        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        return params, max_new_tokens, generator, lambda: Stopper(eos, stop, tokenizer or self.tokenizer,
+                                                                  max_new_tokens)
 
     def _pad_token(self, gc: Any) -> int:
         """The id that right-pads a batch's shorter rows: pad token, else eos, else 0 (as generate does)."""
@@ -498,19 +501,6 @@ class SpeculativeGenerator:
                 if value is not None:
                     return int(value)
         return 0
-
-    def _stopper(self, gc: Any, eos_token_id, stop: list[str] | str | None, tokenizer,
-                 max_new_tokens: int) -> "Stopper":
-        """Stop conditions from the arguments, else the generation config, else the target's eos."""
-        if eos_token_id is None:
-            eos_token_id = getattr(gc, "eos_token_id", None)
-        if eos_token_id is None:
-            eos_token_id = getattr(getattr(self.target, "generation_config", None), "eos_token_id", None)
-        eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
-        if stop is None:
-            stop = getattr(gc, "stop_strings", None)
-        stop = [stop] if isinstance(stop, str) else list(stop or [])
-        return Stopper(eos, stop, tokenizer or self.tokenizer, max_new_tokens)
 
 
 def _stop_strings(stop_strings: list[str] | str | None, stop: list[str] | str | None) -> list[str] | str | None:

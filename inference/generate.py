@@ -19,6 +19,7 @@ import warnings
 import torch
 
 from drafthead.errors import run_main
+from drafthead.utils import dtype_name
 
 from .engine import SpeculativeGenerator
 from .tree import TREE_PRESETS
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--chat: the tokenizer in {args.target} has no chat template (drop --chat to send the raw text)")
     chat = has_template if args.chat is None else args.chat
     ref = next(gen.target.parameters())
-    print(f"[drafthead] {ref.device}, {str(ref.dtype).removeprefix('torch.')}, {gen.drafter.name} drafter, "
+    print(f"[drafthead] {ref.device}, {dtype_name(ref.dtype)}, {gen.drafter.name} drafter, "
           f"{describe_tree(gen)}, prompt {'in the chat template' if chat else 'as raw text'}", file=sys.stderr,
           flush=True)
     if chat:

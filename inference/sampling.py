@@ -14,14 +14,11 @@ from typing import Any
 
 import torch
 
-HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     """do_sample=False means greedy (argmax); otherwise sample from the processed distribution."""
 
-    do_sample: bool = False
+    do_sample: bool = False  # the others: generate's defaults, also for a field left at None in make()
     temperature: float = 1.0
     top_k: int = 50
     top_p: float = 1.0
@@ -42,9 +39,9 @@ class SamplingParams:
         temperature, top_k, top_p = pick("temperature", temperature), pick("top_k", top_k), pick("top_p", top_p)
         if not do_sample:
             return cls(do_sample=False)
-        temperature = HF_DEFAULTS["temperature"] if temperature is None else float(temperature)
-        top_k = HF_DEFAULTS["top_k"] if top_k is None else int(top_k)
-        top_p = HF_DEFAULTS["top_p"] if top_p is None else float(top_p)
+        temperature = cls.temperature if temperature is None else float(temperature)
+        top_k = cls.top_k if top_k is None else int(top_k)
+        top_p = cls.top_p if top_p is None else float(top_p)
         if temperature <= 0:
             raise ValueError(f"sampling needs temperature > 0, got {temperature} (use do_sample=False for greedy)")
         _check_ranges(temperature, top_k, top_p)  # (values from generation_config too)

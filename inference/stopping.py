@@ -18,11 +18,7 @@ class Stopper:
     def cut(self, done: list[int], batch: list[int]) -> int | None:
         """Number of tokens of `batch` to keep if generation ends inside it (or right after it), else None."""
         room = self.max_new - len(done)
-        end = None
-        for j, tok in enumerate(batch[:room]):
-            if tok in self.eos:
-                end = j + 1
-                break
+        end = next((j + 1 for j, tok in enumerate(batch[:room]) if tok in self.eos), None)
         limit = end if end is not None else min(len(batch), room)
         if self.stop:
             hit = self._stop_string(done, batch[:limit])

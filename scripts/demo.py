@@ -88,19 +88,25 @@ def main() -> None:
     print(f"target          {target.name} (Q4_1, dequantized), {bench['dtype']} on {bench['device']}")
     print(f"head            {run_dir / 'head' / 'final'}  (training log: {run_dir / 'head' / 'log.jsonl'})")
     print(f"export          {export}  (validated for vLLM / SGLang)")
-    branch = " + the prompt-lookup branch (measured faster)" if bench["tree"].get("lookup_branch") else ""
-    print(f"tree (auto)     {bench['tree']['chosen']}{branch}")
-    print(f"tau             {bench['tau']:.2f} tokens per target forward (auto tree); "
+    chosen, branch = bench["tree"]["chosen"], bench["tree"].get("lookup_branch")
+    if chosen == "none":  # a head trained for minutes may draft too little to pay on this machine
+        chosen = "no tree (plain decoding measured faster than this head's trees here)" + \
+            ("; prompt lookup alone, measured faster still" if branch else "")
+    elif branch:
+        chosen = f"{chosen} + the prompt-lookup branch (measured faster)"
+    print(f"tree (auto)     {chosen}")
+    print(f"tau             {bench['tau']:.2f} tokens per target forward (the tuned choice); "
           f"{bench.get('tau_gpu_tree', float('nan')):.2f} with the GPU default tree")
     print(f"engine plain    {bench['engine_plain_speedup']:.2f}x vs plain generate ({bench['runner']}, "
           f"compile {'on' if bench['compile'] else 'off'}: the runner alone, no drafting)")
     print(f"speedup         {bench['speedup']:.2f}x vs plain generate, "
           f"{bench['speedup_vs_engine_plain']:.2f}x vs the engine's own plain decoding, "
           f"{bench['speedup_vs_prompt_lookup']:.2f}x vs prompt lookup")
-    print(f"greedy match    {bench['greedy_match']:.2%} of prompts "
-          f"({bench['greedy_divergences']['near_tie']} bf16 near-tie, "
-          f"{bench['greedy_divergences']['float32_replay_match']} identical when replayed in float32, "
-          f"{bench['greedy_divergences']['real_mismatch']} real mismatches)")
+    div = bench["greedy_divergences"]
+    print(f"lossless        {div['real_mismatch']} real mismatches with plain greedy: {bench['greedy_match']:.0%} of "
+          f"the outputs equal it token for token, {div['near_tie']} part at an exact {bench['dtype']} near-tie of the "
+          f"top-2 logits (a tree and a single token round apart), {div['float32_replay_match']} equal it once replayed "
+          "in float32")
     print(f"results         {run_dir / 'bench.json'}, {run_dir / 'bench.png'}")
     print(f"total time      {minutes:.1f} min")
 

@@ -28,7 +28,7 @@ import torch
 from drafthead import DraftHead
 from drafthead.hardware import cpu_flags, resolve_device, resolve_dtype
 from drafthead.paths import cache_dir
-from drafthead.utils import atomic_write_bytes, atomic_write_json
+from drafthead.utils import atomic_write_bytes, atomic_write_json, dtype_name
 
 from ..cpu.small_gemm import DRAFT_WEIGHTS
 from ..drafters.draft_model import DraftModelDrafter, load_draft_model
@@ -434,7 +434,7 @@ def assemble(args, device, dtype, inputs, methods: list[Method], mismatches: lis
         "device": str(device) if device.type != "cpu" else f"cpu ({platform.processor() or platform.machine()}, "
                                                               f"{torch.get_num_threads()} threads)",
         "cpu_flags": cpu_flags(),
-        "dtype": str(dtype).replace("torch.", ""),
+        "dtype": dtype_name(dtype),
         "draft_weights": args.draft_weights,
         "torch": torch.__version__,
         "tcmalloc": "tcmalloc" in os.environ.get("LD_PRELOAD", ""),

@@ -9,9 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from drafthead.paths import cache_dir
-
 from ..jsonl import iter_jsonl
+from ..tuning.draft_vocab import default_corpus
 
 SPEAKERS = {"human": "User", "user": "User", "system": "System"}  # every other role speaks as the assistant
 INSTRUCTIONS = {
@@ -19,10 +18,6 @@ INSTRUCTIONS = {
     "summarise": "Summarise the text above in a few short paragraphs.",
 }
 PIECE_FRACTION = 4  # conversations of at least min_chars / PIECE_FRACTION are joined into documents
-
-
-def default_path() -> Path:
-    return cache_dir() / "data" / "sharegpt.jsonl"
 
 
 def _conversation_text(path: Path, n: int, row: Any) -> str:
@@ -65,7 +60,7 @@ def _iter_documents(path: Path, min_chars: int) -> Iterator[tuple[bool, str]]:
 def long_documents(path: Path | None = None, min_chars: int = 20000, limit: int | None = None) -> list[str]:
     """Distinct texts of >= min_chars characters from ShareGPT (default: the cached sharegpt.jsonl): single
     conversations, then runs of shorter ones joined; each group longest first, ties in file order."""
-    path = Path(path) if path is not None else default_path()
+    path = Path(path) if path is not None else default_corpus()
     docs = sorted(((not single, -len(text), order, text)
                    for order, (single, text) in enumerate(_iter_documents(path, min_chars))))
     return [text for *_, text in docs[:limit]]
@@ -109,7 +104,7 @@ def long_prompts(tokenizer: Any, context: int, count: int, path: Path | None = N
     overhead = len(chat_token_ids(tokenizer, f"\n\n{instruction}"))  # template + instruction, no document
     if context <= overhead:
         raise ValueError(f"context {context} leaves no room for a document (template + instruction: {overhead} tokens)")
-    path = Path(path) if path is not None else default_path()
+    path = Path(path) if path is not None else default_corpus()
     specials = [t for t in tokenizer.all_special_tokens if t]
     max_chars = 12 * context  # enough text for `context` tokens in any language; tokenized in one call
     prompts: list[list[int]] = []

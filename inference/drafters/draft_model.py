@@ -108,13 +108,11 @@ class DraftModelDrafter:
         counts = [len(r) for r in rows]
         m = max(counts)
         tokens = torch.tensor([r + [0] * (m - len(r)) for r in rows], device=self.device)
-        line = torch.arange(m, device=self.device)
-        b = len(rows)
-        logits, _, _ = self.runner.verify(tokens, line.expand(b, m),
-                                          torch.ones(m, m, dtype=torch.bool, device=self.device).tril().expand(b, m, m))
+        chain = DraftTree.chain(tokens[:, 0], tokens[:, 1:])
+        logits, _, _ = self.runner.verify(chain.tokens, chain.depths, chain.ancestors)
         kept = [list(range(c)) for c in counts]  # each row's tokens, a chain: all of them stay
         self.runner.commit(Accepted.from_host(kept, kept, m, self.device))
-        return logits[torch.arange(b, device=self.device), torch.tensor(counts, device=self.device) - 1]
+        return logits[torch.arange(len(rows), device=self.device), torch.tensor(counts, device=self.device) - 1]
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
         """The next draft token of every row (B,) and the distribution it was drawn from (B, V) (greedy: None)."""

@@ -15,7 +15,7 @@ import torch
 
 from ..drafter import Accepted, PlainDrafter
 from ..sampling import SamplingParams
-from ..tree import DraftTree
+from ..tree import DraftTree, ancestor_matrix
 
 
 class NgramIndex:
@@ -157,14 +157,8 @@ class LookupBranch:
                 row_origin.append(0)
         device = tree.tokens.device
         parents_t = torch.tensor(parents, device=device)
-        ancestors = torch.zeros(b, size, size, dtype=torch.bool, device=device)
-        ancestors[:, :n, :n] = tree.ancestors
-        rows = torch.arange(b, device=device)
-        for i in range(n, size):  # parents before children: each new node's parent row is complete
-            ancestors[:, i] = ancestors[rows, parents_t[:, i]]
-            ancestors[:, i, i] = True
         merged = DraftTree(torch.tensor(tokens, device=device), parents_t, torch.tensor(depths, device=device),
-                           ancestors, origin=torch.tensor(origin, device=device))
+                           ancestor_matrix(parents_t, max(map(max, depths))), origin=torch.tensor(origin, device=device))
         if tree.q is not None:  # the lookup's nodes are point masses
             onehot = torch.zeros(b, size - n, tree.q.shape[-1], dtype=tree.q.dtype, device=device)
             onehot.scatter_(2, merged.tokens[:, n:, None], 1.0)

@@ -56,19 +56,17 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
     if device.type == "cuda":  # mode="reduce-overhead": CUDA graphs
         graphed = torch.compile(fn, dynamic=False, options={**options, "triton.cudagraphs": True})
 
-        def run(*args):  # a graph's outputs are overwritten by the next replay: keep copies
+        def step(*args):  # a graph's outputs are overwritten by the next replay: keep copies
             return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in graphed(*args))
-
-        run.drafthead_code = fn.__func__.__code__
-        return run
-    if cpp_wrapper:
-        options["cpp_wrapper"] = True
-    # small_linear calls sharing an input (q/k/v, gate/up) become one call over their packed weights
-    options["post_grad_custom_post_pass"] = FuseSiblingLinears()
-    if small_gemm:
-        options.update(max_autotune=True, max_autotune_gemm_backends="CPP", autotune_fallback_to_aten=True)
-    step = torch.compile(fn, dynamic=False, options=options)
-    step.drafthead_code = fn.__func__.__code__
+    else:
+        # small_linear calls sharing an input (q/k/v, gate/up) become one call over their packed weights
+        options["post_grad_custom_post_pass"] = FuseSiblingLinears()
+        if cpp_wrapper:
+            options["cpp_wrapper"] = True
+        if small_gemm:
+            options.update(max_autotune=True, max_autotune_gemm_backends="CPP", autotune_fallback_to_aten=True)
+        step = torch.compile(fn, dynamic=False, options=options)
+    step.drafthead_code = fn.__func__.__code__  # (release_step)
     return step
 
 
@@ -89,9 +87,6 @@ def scoped_settings(cpu: bool):
 
 
 def release_step(step) -> None:
-    """Free the graphs of a compile_step() step and what they hold (dynamo keeps them alive beyond the callable).
-    No-op for an eager step."""
-    code = getattr(step, "drafthead_code", None)
-    if code is not None:
-        torch._C._dynamo.eval_frame.reset_code(code)
+    """Free the graphs of a compile_step() step and what they hold (dynamo keeps them alive beyond the callable)."""
+    torch._C._dynamo.eval_frame.reset_code(step.drafthead_code)
 

@@ -124,10 +124,9 @@ class StaticRunner:
         b = self.batch
         return [(layer.keys[:b], layer.values[:b]) for layer in self.cache.layers]
 
-    def slots_of(self, positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Buffer slots of committed positions (B, M) of each row in use, or (R, M) of the rows `rows` (R,)."""
-        start = self.start if rows is None else self.start[rows]
-        return start[:, None] + positions
+    def slots_of(self, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Buffer slots of committed positions (R, M) of the rows `rows` (R,)."""
+        return self.start[rows][:, None] + positions
 
     @torch.inference_mode()
     def keep_rows(self, rows: torch.Tensor) -> None:
@@ -231,16 +230,6 @@ class StaticRunner:
                                              name=f"verify{self.rows}x{size}", unguarded=("self.cache",))
         return self._steps[size]
 
-    def _forward(self, input_ids, position_ids, allowed, write_at: int, kv_length: int | None, keep: int = 0):
-        """One eager forward of (B, n) tokens at explicit positions, written at slots write_at.. of every row;
-        query i of row b attends where allowed[b, i] (bool (B, n, slots)); `kv_length`: the used slots; `keep`:
-        logits of the last `keep` positions only (0: all)."""
-        set_write_slot(self.cache, write_at)
-        mask = to_additive(allowed.unsqueeze(1), self.dtype)
-        return self._with_features(lambda: self.model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=mask, **{self.cache_argument: self.cache},
-            use_cache=True, logits_to_keep=keep, **kv_length_kwargs(self.model, kv_length)))
-
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -271,8 +260,12 @@ class StaticRunner:
                 query = slot[c0:c1]
                 allowed = (keys[None, None, :] <= query[None, :, None]) & (keys[None, None, :] >= start[:, None, None])
                 allowed |= keys[None, None, :] == query[None, :, None]  # padding attends itself (never all-masked)
-                logits, feats = self._forward(input_ids[:, c0:c1].to(self.device), positions[:, c0:c1], allowed,
-                                              c0, c1, keep=1)
+                set_write_slot(self.cache, c0)
+                mask = to_additive(allowed.unsqueeze(1), self.dtype)
+                logits, feats = self._with_features(lambda: self.model(
+                    input_ids=input_ids[:, c0:c1].to(self.device), position_ids=positions[:, c0:c1],
+                    attention_mask=mask, **{self.cache_argument: self.cache}, use_cache=True, logits_to_keep=1,
+                    **kv_length_kwargs(self.model, c1)))
                 features.append(feats)
         self.length = torch.full_like(start, t)
         self.lengths = [t] * b

@@ -17,9 +17,9 @@ import torch
 import torch.nn as nn
 
 from drafthead import DraftHead
-from drafthead.hardware import cpu_flags
+from drafthead.hardware import cpu_flags, synchronizer
 from drafthead.paths import cache_dir
-from drafthead.utils import atomic_write_json
+from drafthead.utils import atomic_write_json, dtype_name
 
 from ..cpu.kernels import source_digest
 from ..tree import TreeOptions
@@ -86,7 +86,7 @@ def cache_key(model: nn.Module, head: DraftHead, runner: Any, compiled: bool, lo
     target_config = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}
     return {"format": FORMAT, "target": fingerprint(model, target_config),
             "head": fingerprint(head, dataclasses.asdict(head.config)), "machine": machine(ref.device),
-            "dtype": str(ref.dtype).removeprefix("torch."), "runner": type(runner).__name__, "compile": compiled,
+            "dtype": dtype_name(ref.dtype), "runner": type(runner).__name__, "compile": compiled,
             "lookup_tokens": lookup_tokens, "torch": torch.__version__, "kernels": source_digest(),
             "budget": repr(budget), "draft_weights": draft_weights}
 
@@ -130,8 +130,7 @@ def estimate_s(model: nn.Module, inputs: list[torch.Tensor], compiled: bool = Fa
         model(ids)  # the first call pays one-time setup
         start = time.perf_counter()
         model(ids)
-        if ids.device.type == "cuda":
-            torch.cuda.synchronize(ids.device)
+        synchronizer(ids.device)()
     forwards = TUNING_FORWARDS * (time.perf_counter() - start)
     if not compiled or ids.device.type == "cuda":
         return forwards

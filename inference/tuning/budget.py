@@ -28,7 +28,7 @@ from drafthead.hardware import synchronizer
 
 from ..drafter import Accepted
 from ..drafters.eagle import HeadDrafter
-from ..runners import StaticRunner, make_runner
+from ..runners import StaticRunner
 from ..runners.kv import static_cache_supported
 from ..tree import TREE_PRESETS, DraftTree, TreeOptions
 
@@ -280,16 +280,16 @@ def auto_tree(
     calibration_inputs: list[torch.Tensor],
     max_new_tokens: int = 96,
     verbose: bool = True,
-    runner=None,
     lookup_tokens: int = 0,
     vocab_heads: dict[int, DraftHead] | None = None,
     budget: TuningBudget = FULL,
     *,
+    runner: Any,
     generator: Callable[..., Any],
     draft_weights: str = "auto",
 ) -> tuple[TreeOptions | None, dict]:
     """Choose the tree budget that maximises tokens/s on this device, dtype and `runner` (the one the generator will
-    use; default a new static-or-eager runner). Returns (options, report); options is None when plain decoding on
+    use). Returns (options, report); options is None when plain decoding on
     the same runner measured at least as fast as every tree in the trial.
     vocab_heads ({draft vocabulary size: head pruned to it}): the chosen tree then decodes with each
     (choose_draft_vocab); report["draft_vocab"]["chosen"] is the fastest, which the lookup trial then uses (the tree
@@ -300,8 +300,6 @@ def auto_tree(
     LOOKUP_BRANCH_MARGIN as fast beside a tree, faster alone; then generate with hybrid=True).
     `budget`: FULL, or QUICK for a bounded first call. `generator`: SpeculativeGenerator (passed in: the engine
     imports this module for tree="auto"). `draft_weights`: the head's drafting weights (HeadDrafter's `weights`)."""
-    if runner is None:
-        runner = make_runner(model, head.config.aux_layer_ids)
     # acceptance does not depend on the runner: record it on an uncompiled one of its own
     recorder = RecordingDrafter(head, budget.calibration, draft_weights)
     calibration_runner = "auto" if static_cache_supported(model) else \
