@@ -1,9 +1,11 @@
-"""A GGUF target's own quantized weights (Q8_0, Q4_1) in the decoding steps, lossless against its dequantized model.
+"""A GGUF target's own quantized weights (Q8_0, Q5_0, Q4_0, Q4_1, Q4_K) in the decoding steps, lossless against its
+dequantized model.
 
 transformers loads a GGUF file as a float32 model of dequantized weights. `use_gguf_weights(model, path)` gives each
-linear whose weight a Q8_0 / Q4_1 tensor of the file dequantizes to exactly (rows matched, so llama.cpp's q/k order
-is found) a packed copy of those blocks; small_gemm_avx2.cpp's small_linear_q multiplies with them bit-identically
-to the float32 kernel, streaming a quarter or less of the bytes. Prefill (many rows) keeps the float32 weights.
+linear whose weight a tensor of the file in one of these formats dequantizes to exactly (rows matched, so llama.cpp's
+q/k order is found) a repacked copy of its blocks; small_gemm_avx2.cpp's small_linear_q multiplies with them
+bit-identically to the float32 kernel, streaming a quarter or less of the bytes. Prefill (many rows) keeps the float32
+weights.
 """
 
 from __future__ import annotations
@@ -16,43 +18,98 @@ import torch.nn as nn
 
 from .kernels import FLOAT_BLOCK, avx2_kernels_available
 
-GROUP = 32  # weights per GGUF block (Q8_0 and Q4_1)
+GROUP = 32  # weights per scale (and minimum) in every format packed here
 
 
-def _q8_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(N, K/32 · 34) Q8_0 bytes -> (q int8 (N/16, K, 16), d float32 (N/16, K/32, 16)) in small_linear_q's layout."""
-    n = blocks.shape[0]
-    b = blocks.reshape(n, -1, 34)
-    d = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # (N, G)
-    q = b[..., 2:].copy().view(np.int8).reshape(n, -1)  # (N, K)
+def _half(b: np.ndarray) -> np.ndarray:
+    """(..., 2) bytes of float16 values -> (...) float32."""
+    return b.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _low_high(qs: np.ndarray) -> np.ndarray:
+    """(..., n) bytes -> (..., 2n) 4-bit values: weight j < n in byte j's low nibble, n + j in its high one (gguf)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _q8(q: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """q (N, K) int8, d (N, K/32) float32 (w = q · d) -> (q (N/16, K, 16), d (N/16, K/32, 16)) in small_linear_q's
+    8-bit layout."""
+    n = q.shape[0]
     return (np.ascontiguousarray(q.reshape(n // FLOAT_BLOCK, FLOAT_BLOCK, -1).transpose(0, 2, 1)),
             np.ascontiguousarray(d.reshape(n // FLOAT_BLOCK, FLOAT_BLOCK, -1).transpose(0, 2, 1)))
 
 
-def _q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(N, K/32 · 20) Q4_1 bytes -> (nibbles uint8 (N/16, K/2, 16): k = 2p in byte [p, c]'s low nibble and 2p + 1 in
-    its high one, d and m float32 (N/16, K/32, 2, 16))."""
-    n = blocks.shape[0]
-    b = blocks.reshape(n, -1, 20)
-    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    qs = b[..., 4:]  # a block's weight j < 16 in byte j's low nibble, weight 16 + j in its high one (gguf)
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, -1)  # (N, K) values 0..15
+def _q4(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """q (N, K) values 0..15, d and m (N, K/32) float32 (w = q · d + m) -> (nibbles uint8 (N/16, K/2, 16): k = 2p in
+    byte [p, c]'s low nibble and 2p + 1 in its high one, d and m (N/16, K/32, 2, 16)) in small_linear_q's 4-bit
+    layout."""
+    n = q.shape[0]
     q = q.reshape(n // FLOAT_BLOCK, FLOAT_BLOCK, -1).transpose(0, 2, 1)  # (N/16, K, 16)
     nibbles = q[:, 0::2] | (q[:, 1::2] << 4)
     dm = np.stack([d, m], axis=1).reshape(n // FLOAT_BLOCK, FLOAT_BLOCK, 2, -1).transpose(0, 3, 2, 1)
     return np.ascontiguousarray(nibbles), np.ascontiguousarray(dm)
 
 
+# Each format below dequantizes (as gguf's numpy code does) to products that are exact in float32: a half scale (11
+# significant bits) times a value of at most 6 bits. So w = q · d, or q · d + m rounded once, is what the kernel's
+# 8-bit (q · d) or 4-bit (fused q · d + m) layout computes from the repacked values, bit for bit.
+
+def _q8_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(N, K/32 · 34) Q8_0 bytes: per 32 weights a half d, then int8 q; w = d · q."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, 34)
+    return _q8(b[..., 2:].copy().view(np.int8).reshape(n, -1), _half(b[..., :2]))
+
+
+def _q5_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(N, K/32 · 22) Q5_0 bytes: per 32 weights a half d, the 32 high bits, then the low nibbles; w = d · (q - 16),
+    an int8 in the 8-bit layout."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, 22)
+    high = (b[..., 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1  # bit j: weight j
+    q = (_low_high(b[..., 6:]) | (high.astype(np.uint8) << 4)).astype(np.int8) - 16
+    return _q8(q.reshape(n, -1), _half(b[..., :2]))
+
+
+def _q4_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(N, K/32 · 18) Q4_0 bytes: per 32 weights a half d, then 4-bit q; w = d · (q - 8) = d · q + (-8 d)."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, 18)
+    d = _half(b[..., :2])
+    return _q4(_low_high(b[..., 2:]).reshape(n, -1), d, -8 * d)
+
+
+def _q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(N, K/32 · 20) Q4_1 bytes: per 32 weights a half d and m, then 4-bit q; w = d · q + m."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, 20)
+    return _q4(_low_high(b[..., 4:]).reshape(n, -1), _half(b[..., 0:2]), _half(b[..., 2:4]))
+
+
+def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(N, K/256 · 144) Q4_K bytes: per 256 weights a half d and dmin, a 6-bit scale and minimum for each 32, then
+    4-bit q; w = (d · scale) · q - dmin · minimum: the 4-bit layout with d · scale and -dmin · minimum (both exact)
+    per 32 weights."""
+    import gguf
+
+    n = blocks.shape[0]
+    b = blocks.reshape(-1, 144)  # (S, 144): the super-blocks, row by row
+    d, dmin = _half(b[:, 0:2])[:, None], _half(b[:, 2:4])[:, None]
+    scale, minimum = gguf.quants.Q4_K.get_scale_min(b[:, 4:16])  # (S, 8) each
+    q = _low_high(b[:, 16:].reshape(-1, 4, 32))  # 32 bytes a pair of sub-blocks
+    return _q4(q.reshape(n, -1), (d * scale).reshape(n, -1), -(dmin * minimum).reshape(n, -1))
+
+
 def _packers() -> dict:
     import gguf
 
-    return {gguf.GGMLQuantizationType.Q8_0: _q8_0, gguf.GGMLQuantizationType.Q4_1: _q4_1}
+    kinds = gguf.GGMLQuantizationType
+    return {kinds.Q8_0: _q8_0, kinds.Q5_0: _q5_0, kinds.Q4_0: _q4_0, kinds.Q4_1: _q4_1, kinds.Q4_K: _q4_k}
 
 
 def pack_gguf_tensor(qtype, blocks: np.ndarray, rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """small_linear_q's (packed, params) of a Q8_0 / Q4_1 tensor's (N, bytes) blocks, its rows reordered by `rows`
-    (row i of the result = row rows[i] of the file) when given."""
+    """small_linear_q's (packed, params) of a tensor's (N, bytes) blocks (a format of _packers()), its rows reordered
+    by `rows` (row i of the result = row rows[i] of the file) when given."""
     if rows is not None:
         blocks = blocks[rows]
     packed, params = _packers()[qtype](np.ascontiguousarray(blocks))
@@ -68,9 +125,9 @@ def eligible(module: nn.Module) -> bool:
 
 @torch.no_grad()
 def use_gguf_weights(model: nn.Module, path: str | Path) -> int:
-    """Attach to each eligible linear of `model` (loaded from the GGUF file at `path`) the packed Q8_0 / Q4_1 blocks
-    its weight is the exact dequantization of, as buffers `qpacked` and `qparams`. Returns how many linears have
-    them; 0 on a CPU without AVX2 (nothing changes there)."""
+    """Attach to each eligible linear of `model` (loaded from the GGUF file at `path`) the repacked blocks (Q8_0, Q5_0,
+    Q4_0, Q4_1, Q4_K) its weight is the exact dequantization of, as buffers `qpacked` and `qparams`. Returns how many
+    linears have them; 0 on a CPU without AVX2 (nothing changes there)."""
     import gguf
 
     if not avx2_kernels_available():

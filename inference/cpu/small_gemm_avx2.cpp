@@ -12,10 +12,11 @@
 // Layout of `packed`: (N/16, K, 16) float; element [b, k, c] = W[16 b + c, k]. small_linear_int8 takes int8
 // weights in the same layout (a self-draft's int8 copy, one scale per output column), widened in registers.
 //
-// small_linear_q multiplies by a GGUF target's own quantized blocks (Q8_0, Q4_1; gguf_weights.py packs them),
+// small_linear_q multiplies by a GGUF target's own quantized blocks (Q8_0 and Q5_0 as int8 q and a scale, Q4_0, Q4_1
+// and Q4_K as 4-bit q, a scale and a minimum; gguf_weights.py repacks them),
 // dequantized in registers to exactly the float32 values the dequantized model holds (gguf's d·q and d·q + m, each
 // step rounded as numpy rounds it) and summed in the same order as small_linear: the result is bit-identical to
-// small_linear on the dequantized weight, while a step streams 0.75 (Q4_1) or 1.5 (Q8_0) bytes a weight, not 4.
+// small_linear on the dequantized weight, while a step streams 0.75 (4-bit) or 1.125 (int8) bytes a weight, not 4.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -108,7 +109,7 @@ struct Plain {
 
 // GGUF blocks: a 4- or 8-bit q times a half-precision scale d is exact in float32, so the dequantized weight
 // (gguf's d·q, d·q + m) is one multiplication or one fused multiply-add, rounded as numpy rounds it
-constexpr int64_t kGroup = 32;  // k's per GGUF block (Q8_0, Q4_1), one scale (and minimum) per column each
+constexpr int64_t kGroup = 32;  // k's per scale (and minimum) of a column: a GGUF block (a Q4_K sub-block)
 
 // Q8_0: int8 q (K, 16) and one float scale d per 32 k and column (K/32, 16): w = q · d
 struct Q8 {

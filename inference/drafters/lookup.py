@@ -158,7 +158,8 @@ class LookupBranch:
         device = tree.tokens.device
         parents_t = torch.tensor(parents, device=device)
         merged = DraftTree(torch.tensor(tokens, device=device), parents_t, torch.tensor(depths, device=device),
-                           ancestor_matrix(parents_t, max(map(max, depths))), origin=torch.tensor(origin, device=device))
+                           ancestor_matrix(parents_t, max(map(max, depths))),
+                           origin=torch.tensor(origin, device=device))
         if tree.q is not None:  # the lookup's nodes are point masses
             onehot = torch.zeros(b, size - n, tree.q.shape[-1], dtype=tree.q.dtype, device=device)
             onehot.scatter_(2, merged.tokens[:, n:, None], 1.0)
