@@ -22,9 +22,9 @@ needs_avx2 = pytest.mark.skipif(not avx2_kernels_available(), reason="the AVX2 k
 
 
 def quantized_blocks(values: np.ndarray, qtype, rng: np.random.Generator) -> np.ndarray:
-    """(N, bytes) GGUF blocks of `qtype` for a (N, K) float32 matrix: gguf's own quantization (Q8_0, Q4_1); for Q4_K,
-    which gguf does not quantize, random super-blocks (every 6-bit scale and minimum, every nibble) of about the
-    values' spread."""
+    """(N, bytes) GGUF blocks of `qtype` for a (N, K) float32 matrix: gguf's own quantization (Q8_0, Q5_0, Q4_0,
+    Q4_1); for Q4_K, which gguf does not quantize, random super-blocks (every 6-bit scale and minimum, every nibble)
+    of about the values' spread."""
     if qtype != Q4_K:
         return gguf.quants.quantize(values, qtype)
     n, k = values.shape
@@ -82,7 +82,8 @@ def quantize_into_gguf(model: torch.nn.Module, path) -> int:
 @needs_avx2
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_tiny_gguf_target_decodes_as_its_dequantized_model(tmp_path, arch):
-    """Llama: Q4_1 and Q8_0 linears; Qwen2 (q/k/v with biases): its 256-wide MLP's down projections in Q4_K too."""
+    """Llama: Q4_1, Q5_0, Q4_0 and Q8_0 linears; Qwen2 (q/k/v with biases): its 256-wide MLP's down projections in
+    Q4_K too."""
     from inference.cpu.gguf_weights import use_gguf_weights
 
     dequantized = tiny_model(arch, **({"intermediate_size": 256} if arch == "qwen2" else {}))

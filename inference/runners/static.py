@@ -206,13 +206,14 @@ class StaticRunner:
             self.capture.outputs.clear()
         return out.logits, features
 
-    def _step_forward(self, input_ids, position_ids, mask, kv_length, rows):
-        """One verify step over all B rows of the buffers, n tokens each (`mask` additive (B, 1, n, capacity));
-        attention reads the first `kv_length` slots of the leading `rows` rows (0-dim tensors; rows None for one
-        row). Returns (logits (B, n, V), features (B, n, F) or None, argmax (B, n))."""
+    def _step_forward(self, input_ids, position_ids, mask, kv_length, rows, keep: int = 0):
+        """One forward over all B rows of the buffers, n tokens each (`mask` additive (B, 1, n, capacity)): a verify
+        step, or a prefill chunk; attention reads the first `kv_length` slots of the leading `rows` rows (0-dim
+        tensors for a verify step; rows None for one row); `keep`: logits of the last `keep` positions only (0: all).
+        Returns (logits (B, n, V), features (B, n, F) or None, argmax (B, n))."""
         logits, features = self._with_features(lambda: self.model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-            **{self.cache_argument: self.cache}, use_cache=True, **kv_length_kwargs(self.model, kv_length, rows)))
+            input_ids=input_ids, position_ids=position_ids, attention_mask=mask, **{self.cache_argument: self.cache},
+            use_cache=True, logits_to_keep=keep, **kv_length_kwargs(self.model, kv_length, rows)))
         # the greedy choice inside the graph: a fused argmax beats an eager one over the vocabulary
         return logits, features, logits.argmax(dim=-1)
 
@@ -261,11 +262,8 @@ class StaticRunner:
                 allowed = (keys[None, None, :] <= query[None, :, None]) & (keys[None, None, :] >= start[:, None, None])
                 allowed |= keys[None, None, :] == query[None, :, None]  # padding attends itself (never all-masked)
                 set_write_slot(self.cache, c0)
-                mask = to_additive(allowed.unsqueeze(1), self.dtype)
-                logits, feats = self._with_features(lambda: self.model(
-                    input_ids=input_ids[:, c0:c1].to(self.device), position_ids=positions[:, c0:c1],
-                    attention_mask=mask, **{self.cache_argument: self.cache}, use_cache=True, logits_to_keep=1,
-                    **kv_length_kwargs(self.model, c1)))
+                logits, feats, _ = self._step_forward(input_ids[:, c0:c1].to(self.device), positions[:, c0:c1],
+                                                      to_additive(allowed.unsqueeze(1), self.dtype), c1, None, keep=1)
                 features.append(feats)
         self.length = torch.full_like(start, t)
         self.lengths = [t] * b
