@@ -14,11 +14,7 @@ from drafthead.utils import parse_dtype
 def cpu_has_bf16() -> bool:
     """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX); without it bf16 matmuls are emulated
     and a multi-token forward runs several times slower than fp32 (docs/results/HISTORY.md)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags()))
 
 
 def auto_dtype(device: str | torch.device, gguf: bool = False) -> torch.dtype:

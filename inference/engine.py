@@ -257,10 +257,10 @@ class SpeculativeGenerator:
         profile: bool = False,
         top_k: int | None = None,
     ) -> "SpeculativeGenerator":
-        """target: HF folder/name, a GGUF file (its Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K blocks kept for the decoding steps
-        in float32 on an AVX2 CPU: cpu/gguf_weights.py) or a loaded causal LM. device: "auto" (CUDA when present, else
-        CPU; a loaded model stays where it is) or a device. dtype: a name or torch dtype; "fast" (bf16 on CUDA and on
-        CPUs with native bf16, else fp32); "auto" (the checkpoint's, as in transformers); None (the default): "fast"
+        """target: HF folder/name, a GGUF file (its Q8_0 / Q6_K / Q5_0 / Q4_0 / Q4_1 / Q4_K blocks kept for the decoding
+        steps in float32 on an AVX2 CPU: cpu/gguf_weights.py) or a loaded causal LM. device: "auto" (CUDA when present,
+        else CPU; a loaded model stays where it is) or a device. dtype: a name or torch dtype; "fast" (bf16 on CUDA and
+        on CPUs with native bf16, else fp32); "auto" (the checkpoint's, as in transformers); None (the default): "fast"
         for a checkpoint, a loaded model keeps its own.
         draft: a head folder (native or exported) or DraftHead; a smaller causal LM's folder (or model) sharing the
         target's tokenizer, drafting chains of `gamma` tokens; "prompt-lookup" (chains of up to `lookup_tokens`

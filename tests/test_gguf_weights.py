@@ -1,4 +1,4 @@
-"""A GGUF target's own quantized blocks (Q8_0, Q5_0, Q4_0, Q4_1, Q4_K) in the decoding steps
+"""A GGUF target's own quantized blocks (Q8_0, Q6_K, Q5_0, Q4_0, Q4_1, Q4_K) in the decoding steps
 (inference/cpu/gguf_weights.py): the kernel equals the float32 kernel on the dequantized weights bit for bit, and
 greedy decoding of the quantized model equals the dequantized model's and transformers' generate (tiny Llama and
 Qwen2, and the real SmolLM2 Q4_1 file)."""
@@ -16,34 +16,35 @@ from inference.cpu.kernels import avx2_kernels_available
 from tiny import tiny_head, tiny_model
 
 gguf = pytest.importorskip("gguf")
-Q8_0, Q5_0, Q4_0, Q4_1, Q4_K = (getattr(gguf.GGMLQuantizationType, t) for t in ("Q8_0", "Q5_0", "Q4_0", "Q4_1",
-                                                                                 "Q4_K"))
+Q8_0, Q6_K, Q5_0, Q4_0, Q4_1, Q4_K = (getattr(gguf.GGMLQuantizationType, t)
+                                      for t in ("Q8_0", "Q6_K", "Q5_0", "Q4_0", "Q4_1", "Q4_K"))
 needs_avx2 = pytest.mark.skipif(not avx2_kernels_available(), reason="the AVX2 kernels need a CPU with AVX2")
 
 
 def quantized_blocks(values: np.ndarray, qtype, rng: np.random.Generator) -> np.ndarray:
     """(N, bytes) GGUF blocks of `qtype` for a (N, K) float32 matrix: gguf's own quantization (Q8_0, Q5_0, Q4_0,
-    Q4_1); for Q4_K, which gguf does not quantize, random super-blocks (every 6-bit scale and minimum, every nibble)
-    of about the values' spread."""
-    if qtype != Q4_K:
+    Q4_1); for Q4_K and Q6_K, which gguf does not quantize, random super-blocks (every scale and minimum, every q) of
+    about the values' spread."""
+    if qtype not in (Q4_K, Q6_K):
         return gguf.quants.quantize(values, qtype)
     n, k = values.shape
-    blocks = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+    blocks = rng.integers(0, 256, (n, k // 256, 144 if qtype == Q4_K else 210), dtype=np.uint8)
     spread = float(np.abs(values).max())
-    for at, top in ((0, 63 * 15), (2, 63)):  # d: scale x q reaches 63 x 15; dmin: the minimum reaches 63
+    # Q4_K's d: scale x q reaches 63 x 15, its dmin: the minimum reaches 63; Q6_K's d (last): scale x q 128 x 32
+    for at, top in ((0, 63 * 15), (2, 63)) if qtype == Q4_K else ((208, 128 * 32),):
         half = (rng.uniform(0.5, 1.5, (n, k // 256, 1)) * spread / top).astype(np.float16)
         blocks[..., at: at + 2] = half.view(np.uint8)
     return blocks.reshape(n, -1)
 
 
 @needs_avx2
-@pytest.mark.parametrize("qtype", [Q8_0, Q5_0, Q4_0, Q4_1, Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q8_0, Q6_K, Q5_0, Q4_0, Q4_1, Q4_K], ids=lambda t: t.name)
 def test_quantized_kernel_is_the_float32_kernel_on_the_dequantized_weight(qtype):
     from inference.cpu.gguf_weights import pack_gguf_tensor
 
     rng = np.random.default_rng(0)
-    # K past the kernel's 256-wide chunks, and a partial last chunk (Q4_K: K in 256-weight super-blocks)
-    for n, k in ((48, 256), (160, 768)) if qtype == Q4_K else ((48, 64), (160, 576)):
+    # K past the kernel's 256-wide chunks, and a partial last chunk (K-quants: K in 256-weight super-blocks)
+    for n, k in ((48, 256), (160, 768)) if qtype in (Q4_K, Q6_K) else ((48, 64), (160, 576)):
         blocks = quantized_blocks(rng.standard_normal((n, k)).astype(np.float32), qtype, rng)
         dequantized = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).copy())
         packed, params = pack_gguf_tensor(qtype, blocks)
@@ -60,15 +61,16 @@ def test_quantized_kernel_is_the_float32_kernel_on_the_dequantized_weight(qtype)
 
 
 def quantize_into_gguf(model: torch.nn.Module, path) -> int:
-    """Quantize every linear of `model` (Q8_0 for the output layer, Q4_K where the inputs come in 256s, Q4_1, Q5_0
-    and Q4_0 in turn for the others), write the blocks to a GGUF file at `path` (the first tensor's rows reversed, as
-    llama.cpp reorders q/k rows), and set each weight to its dequantization, as transformers loads a GGUF file.
-    Returns how many linears were quantized."""
+    """Quantize every linear of `model` (Q8_0 for the output layer, Q4_K and Q6_K in turn where the inputs come in
+    256s, Q4_1, Q5_0 and Q4_0 in turn for the others), write the blocks to a GGUF file at `path` (the first tensor's
+    rows reversed, as llama.cpp reorders q/k rows), and set each weight to its dequantization, as transformers loads
+    a GGUF file. Returns how many linears were quantized."""
     writer = gguf.GGUFWriter(path, "llama")
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     rng = np.random.default_rng(0)
     for i, (name, module) in enumerate(linears):
-        qtype = Q8_0 if name == "lm_head" else Q4_K if module.in_features % 256 == 0 else (Q4_1, Q5_0, Q4_0)[i % 3]
+        qtype = Q8_0 if name == "lm_head" else (Q4_K, Q6_K)[i % 2] if module.in_features % 256 == 0 else \
+            (Q4_1, Q5_0, Q4_0)[i % 3]
         blocks = quantized_blocks(module.weight.detach().numpy(), qtype, rng)
         module.weight.data = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).copy())
         writer.add_tensor(name, blocks[::-1].copy() if i == 0 else blocks, raw_dtype=qtype)
@@ -83,7 +85,7 @@ def quantize_into_gguf(model: torch.nn.Module, path) -> int:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_tiny_gguf_target_decodes_as_its_dequantized_model(tmp_path, arch):
     """Llama: Q4_1, Q5_0, Q4_0 and Q8_0 linears; Qwen2 (q/k/v with biases): its 256-wide MLP's down projections in
-    Q4_K too."""
+    Q4_K and Q6_K."""
     from inference.cpu.gguf_weights import use_gguf_weights
 
     dequantized = tiny_model(arch, **({"intermediate_size": 256} if arch == "qwen2" else {}))

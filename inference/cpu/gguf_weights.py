@@ -1,5 +1,5 @@
-"""A GGUF target's own quantized weights (Q8_0, Q5_0, Q4_0, Q4_1, Q4_K) in the decoding steps, lossless against its
-dequantized model.
+"""A GGUF target's own quantized weights (Q8_0, Q6_K, Q5_0, Q4_0, Q4_1, Q4_K) in the decoding steps, lossless
+against its dequantized model.
 
 transformers loads a GGUF file as a float32 model of dequantized weights. `use_gguf_weights(model, path)` gives each
 linear whose weight a tensor of the file in one of these formats dequantizes to exactly (rows matched, so llama.cpp's
@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from .kernels import FLOAT_BLOCK, avx2_kernels_available
 
-GROUP = 32  # weights per scale (and minimum) in every format packed here
+GROUP = 32  # weights per scale (and minimum) in every format packed here but Q6_K (16, within 256-weight blocks)
 
 
 def _half(b: np.ndarray) -> np.ndarray:
@@ -32,8 +32,8 @@ def _low_high(qs: np.ndarray) -> np.ndarray:
 
 
 def _q8(q: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """q (N, K) int8, d (N, K/32) float32 (w = q · d) -> (q (N/16, K, 16), d (N/16, K/32, 16)) in small_linear_q's
-    8-bit layout."""
+    """q (N, K) int8, d (N, K/G) float32 (w = q · d, G = 32 or 16) -> (q (N/16, K, 16), d (N/16, K/G, 16)) in
+    small_linear_q's 8-bit layout."""
     n = q.shape[0]
     return (np.ascontiguousarray(q.reshape(n // FLOAT_BLOCK, FLOAT_BLOCK, -1).transpose(0, 2, 1)),
             np.ascontiguousarray(d.reshape(n // FLOAT_BLOCK, FLOAT_BLOCK, -1).transpose(0, 2, 1)))
@@ -51,8 +51,8 @@ def _q4(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.nda
 
 
 # Each format below dequantizes (as gguf's numpy code does) to products that are exact in float32: a half scale (11
-# significant bits) times a value of at most 6 bits. So w = q · d, or q · d + m rounded once, is what the kernel's
-# 8-bit (q · d) or 4-bit (fused q · d + m) layout computes from the repacked values, bit for bit.
+# significant bits; Q6_K: times an int8) times a value of at most 6 bits. So w = q · d, or q · d + m rounded once, is
+# what the kernel's 8-bit (q · d) or 4-bit (fused q · d + m) layout computes from the repacked values, bit for bit.
 
 def _q8_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(N, K/32 · 34) Q8_0 bytes: per 32 weights a half d, then int8 q; w = d · q."""
@@ -100,11 +100,25 @@ def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _q4(q.reshape(n, -1), (d * scale).reshape(n, -1), -(dmin * minimum).reshape(n, -1))
 
 
+def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(N, K/256 · 210) Q6_K bytes: per 256 weights the low nibbles, the high 2-bit pairs, an int8 scale for each 16,
+    then a half d; w = (d · scale) · (q - 32): int8 q - 32 in the 8-bit layout with a scale per 16 weights (d · scale
+    has at most 18 significant bits, times q - 32 at most 23: exact)."""
+    n = blocks.shape[0]
+    b = blocks.reshape(-1, 210)  # (S, 210): the super-blocks, row by row
+    low = b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8)[:, None]  # per 128 weights: 64 bytes
+    high = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]  # ... and 32
+    q = ((low & 0x0F).reshape(-1, 2, 4, 32) | ((high & 0x03) << 4)).astype(np.int8) - 32
+    scale = b[:, 192:208].copy().view(np.int8).astype(np.float32)
+    return _q8(q.reshape(n, -1), (_half(b[:, 208:210])[:, None] * scale).reshape(n, -1))
+
+
 def _packers() -> dict:
     import gguf
 
     kinds = gguf.GGMLQuantizationType
-    return {kinds.Q8_0: _q8_0, kinds.Q5_0: _q5_0, kinds.Q4_0: _q4_0, kinds.Q4_1: _q4_1, kinds.Q4_K: _q4_k}
+    return {kinds.Q8_0: _q8_0, kinds.Q5_0: _q5_0, kinds.Q4_0: _q4_0, kinds.Q4_1: _q4_1, kinds.Q4_K: _q4_k,
+            kinds.Q6_K: _q6_k}
 
 
 def pack_gguf_tensor(qtype, blocks: np.ndarray, rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,9 +139,9 @@ def eligible(module: nn.Module) -> bool:
 
 @torch.no_grad()
 def use_gguf_weights(model: nn.Module, path: str | Path) -> int:
-    """Attach to each eligible linear of `model` (loaded from the GGUF file at `path`) the repacked blocks (Q8_0, Q5_0,
-    Q4_0, Q4_1, Q4_K) its weight is the exact dequantization of, as buffers `qpacked` and `qparams`. Returns how many
-    linears have them; 0 on a CPU without AVX2 (nothing changes there)."""
+    """Attach to each eligible linear of `model` (loaded from the GGUF file at `path`) the repacked blocks (Q8_0, Q6_K,
+    Q5_0, Q4_0, Q4_1, Q4_K) its weight is the exact dequantization of, as buffers `qpacked` and `qparams`. Returns how
+    many linears have them; 0 on a CPU without AVX2 (nothing changes there)."""
     import gguf
 
     if not avx2_kernels_available():

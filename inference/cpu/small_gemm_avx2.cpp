@@ -12,11 +12,11 @@
 // Layout of `packed`: (N/16, K, 16) float; element [b, k, c] = W[16 b + c, k]. small_linear_int8 takes int8
 // weights in the same layout (a self-draft's int8 copy, one scale per output column), widened in registers.
 //
-// small_linear_q multiplies by a GGUF target's own quantized blocks (Q8_0 and Q5_0 as int8 q and a scale, Q4_0, Q4_1
-// and Q4_K as 4-bit q, a scale and a minimum; gguf_weights.py repacks them),
+// small_linear_q multiplies by a GGUF target's own quantized blocks (Q8_0, Q5_0 and Q6_K as int8 q and a scale, Q4_0,
+// Q4_1 and Q4_K as 4-bit q, a scale and a minimum; gguf_weights.py repacks them),
 // dequantized in registers to exactly the float32 values the dequantized model holds (gguf's d·q and d·q + m, each
 // step rounded as numpy rounds it) and summed in the same order as small_linear: the result is bit-identical to
-// small_linear on the dequantized weight, while a step streams 0.75 (4-bit) or 1.125 (int8) bytes a weight, not 4.
+// small_linear on the dequantized weight, while a step streams 0.75 (4-bit) or 1.125-1.25 (int8) bytes a weight, not 4.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -111,16 +111,17 @@ struct Plain {
 // (gguf's d·q, d·q + m) is one multiplication or one fused multiply-add, rounded as numpy rounds it
 constexpr int64_t kGroup = 32;  // k's per scale (and minimum) of a column: a GGUF block (a Q4_K sub-block)
 
-// Q8_0: int8 q (K, 16) and one float scale d per 32 k and column (K/32, 16): w = q · d
+// Q8_0: int8 q (K, 16) and one float scale d per kGroupK k and column (K/kGroupK, 16): w = q · d (Q6_K: 16 k a scale)
+template <int64_t kGroupK>
 struct Q8 {
   const int8_t* q;
   const float* d;
   static constexpr int kStep = 1;
   static constexpr int64_t kPerLine = 64 / kBlock;
-  Q8 at(int64_t k0) const { return {q + k0 * kBlock, d + k0 / kGroup * kBlock}; }
+  Q8 at(int64_t k0) const { return {q + k0 * kBlock, d + k0 / kGroupK * kBlock}; }
   const void* ahead(int64_t i) const { return q + (i + kChunk) * kBlock; }
   void load(int64_t i, Columns* w) const {
-    w[0] = load_weights(q + i * kBlock).times(Columns::load(d + i / kGroup * kBlock));
+    w[0] = load_weights(q + i * kBlock).times(Columns::load(d + i / kGroupK * kBlock));
   }
 };
 
@@ -298,9 +299,9 @@ torch::Tensor small_linear_int8(const torch::Tensor& x, const torch::Tensor& pac
 }
 
 // A GGUF target's quantized weight (gguf_weights.py packs it): x (..., K) float; packed int8 (N/16, K, 16) with
-// scales (N/16, K/32, 16) float (Q8_0), or uint8 (N/16, K/2, 16) nibbles with scales and minimums (N/16, K/32, 2, 16)
-// float (Q4_1); bias (N,) or none -> (..., N) float, bit-identical to small_linear on the dequantized weight;
-// `live` as small_linear's.
+// scales (N/16, K/32 or K/16, 16) float (Q8_0, Q5_0; Q6_K), or uint8 (N/16, K/2, 16) nibbles with scales and
+// minimums (N/16, K/32, 2, 16) float (Q4_0, Q4_1, Q4_K); bias (N,) or none -> (..., N) float, bit-identical to
+// small_linear on the dequantized weight; `live` as small_linear's.
 torch::Tensor small_linear_q(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& params,
                              const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& live) {
   const bool q8 = packed.scalar_type() == at::kChar;
@@ -309,9 +310,10 @@ torch::Tensor small_linear_q(const torch::Tensor& x, const torch::Tensor& packed
               "small_linear_q: packed must be contiguous int8 (N/16, K, 16) or uint8 (N/16, K/2, 16) with K a "
               "multiple of 32, got ", packed.scalar_type(), " ", packed.sizes());
   const int64_t blocks = packed.size(0), k = packed.size(1) * (q8 ? 1 : 2), n = blocks * kBlock, groups = k / kGroup;
+  const bool sixteens = q8 && params.numel() == blocks * groups * 2 * kBlock;  // a scale per 16 k (Q6_K)
   TORCH_CHECK(params.scalar_type() == at::kFloat && params.is_contiguous() &&
-                  params.numel() == blocks * groups * kBlock * (q8 ? 1 : 2),
-              "small_linear_q: params must be contiguous float (N/16, K/32", q8 ? "" : ", 2", ", 16), got ",
+                  params.numel() == blocks * groups * kBlock * (q8 && !sixteens ? 1 : 2),
+              "small_linear_q: params must be contiguous float (N/16, K/32", q8 ? " or K/16" : ", 2", ", 16), got ",
               params.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) == k, "small_linear_q: x must be float32 with ", k,
               " features, got ", x.scalar_type(), " ", x.sizes());
@@ -320,16 +322,19 @@ torch::Tensor small_linear_q(const torch::Tensor& x, const torch::Tensor& packed
   const torch::Tensor bias_f = float_bias(bias, n, "small_linear_q");
   torch::Tensor out = output_rows(x, rows.size(0), m_live, n);
   const float* p = params.data_ptr<float>();
-  if (q8) {
-    const int8_t* q = packed.data_ptr<int8_t>();
-    multiply<Q8>(rows.data_ptr<float>(), m_live, k,
-                 [=](int64_t b) { return Q8{q + b * k * kBlock, p + b * groups * kBlock}; }, blocks, nullptr,
-                 data_or_null(bias_f), out.data_ptr<float>());
-  } else {
+  const auto run = [&](auto block) {  // block(b): a cursor at block b's first k
+    multiply<decltype(block(0))>(rows.data_ptr<float>(), m_live, k, block, blocks, nullptr, data_or_null(bias_f),
+                                 out.data_ptr<float>());
+  };
+  if (!q8) {
     const uint8_t* q = packed.data_ptr<uint8_t>();
-    multiply<Q4>(rows.data_ptr<float>(), m_live, k,
-                 [=](int64_t b) { return Q4{q + b * k / 2 * kBlock, p + b * groups * 2 * kBlock}; }, blocks, nullptr,
-                 data_or_null(bias_f), out.data_ptr<float>());
+    run([=](int64_t b) { return Q4{q + b * k / 2 * kBlock, p + b * groups * 2 * kBlock}; });
+  } else if (sixteens) {
+    const int8_t* q = packed.data_ptr<int8_t>();
+    run([=](int64_t b) { return Q8<16>{q + b * k * kBlock, p + b * groups * 2 * kBlock}; });
+  } else {
+    const int8_t* q = packed.data_ptr<int8_t>();
+    run([=](int64_t b) { return Q8<kGroup>{q + b * k * kBlock, p + b * groups * kBlock}; });
   }
   return out.view(out_shape(x, n));
 }
