@@ -18,6 +18,7 @@ from tiny import tiny_head, tiny_model
 gguf = pytest.importorskip("gguf")
 Q8_0, Q6_K, Q5_0, Q4_0, Q4_1, Q4_K = (getattr(gguf.GGMLQuantizationType, t)
                                       for t in ("Q8_0", "Q6_K", "Q5_0", "Q4_0", "Q4_1", "Q4_K"))
+K_QUANTS = (Q4_K, Q6_K)  # 256-weight super-blocks, which gguf's numpy code does not quantize
 needs_avx2 = pytest.mark.skipif(not avx2_kernels_available(), reason="the AVX2 kernels need a CPU with AVX2")
 
 
@@ -25,7 +26,7 @@ def quantized_blocks(values: np.ndarray, qtype, rng: np.random.Generator) -> np.
     """(N, bytes) GGUF blocks of `qtype` for a (N, K) float32 matrix: gguf's own quantization (Q8_0, Q5_0, Q4_0,
     Q4_1); for Q4_K and Q6_K, which gguf does not quantize, random super-blocks (every scale and minimum, every q) of
     about the values' spread."""
-    if qtype not in (Q4_K, Q6_K):
+    if qtype not in K_QUANTS:
         return gguf.quants.quantize(values, qtype)
     n, k = values.shape
     blocks = rng.integers(0, 256, (n, k // 256, 144 if qtype == Q4_K else 210), dtype=np.uint8)
@@ -44,7 +45,7 @@ def test_quantized_kernel_is_the_float32_kernel_on_the_dequantized_weight(qtype)
 
     rng = np.random.default_rng(0)
     # K past the kernel's 256-wide chunks, and a partial last chunk (K-quants: K in 256-weight super-blocks)
-    for n, k in ((48, 256), (160, 768)) if qtype in (Q4_K, Q6_K) else ((48, 64), (160, 576)):
+    for n, k in ((48, 256), (160, 768)) if qtype in K_QUANTS else ((48, 64), (160, 576)):
         blocks = quantized_blocks(rng.standard_normal((n, k)).astype(np.float32), qtype, rng)
         dequantized = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).copy())
         packed, params = pack_gguf_tensor(qtype, blocks)
@@ -69,7 +70,7 @@ def quantize_into_gguf(model: torch.nn.Module, path) -> int:
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     rng = np.random.default_rng(0)
     for i, (name, module) in enumerate(linears):
-        qtype = Q8_0 if name == "lm_head" else (Q4_K, Q6_K)[i % 2] if module.in_features % 256 == 0 else \
+        qtype = Q8_0 if name == "lm_head" else K_QUANTS[i % 2] if module.in_features % 256 == 0 else \
             (Q4_1, Q5_0, Q4_0)[i % 3]
         blocks = quantized_blocks(module.weight.detach().numpy(), qtype, rng)
         module.weight.data = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).copy())

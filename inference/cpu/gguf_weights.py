@@ -10,6 +10,7 @@ weights.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -31,12 +32,15 @@ def _low_high(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
+def _column_blocks(a: np.ndarray) -> np.ndarray:
+    """(N, M) per output row -> (N/16, M, 16): the kernel's blocks of 16 output columns, column index last."""
+    return a.reshape(a.shape[0] // FLOAT_BLOCK, FLOAT_BLOCK, -1).transpose(0, 2, 1)
+
+
 def _q8(q: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """q (N, K) int8, d (N, K/G) float32 (w = q · d, G = 32 or 16) -> (q (N/16, K, 16), d (N/16, K/G, 16)) in
     small_linear_q's 8-bit layout."""
-    n = q.shape[0]
-    return (np.ascontiguousarray(q.reshape(n // FLOAT_BLOCK, FLOAT_BLOCK, -1).transpose(0, 2, 1)),
-            np.ascontiguousarray(d.reshape(n // FLOAT_BLOCK, FLOAT_BLOCK, -1).transpose(0, 2, 1)))
+    return np.ascontiguousarray(_column_blocks(q)), np.ascontiguousarray(_column_blocks(d))
 
 
 def _q4(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -44,7 +48,7 @@ def _q4(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.nda
     byte [p, c]'s low nibble and 2p + 1 in its high one, d and m (N/16, K/32, 2, 16)) in small_linear_q's 4-bit
     layout."""
     n = q.shape[0]
-    q = q.reshape(n // FLOAT_BLOCK, FLOAT_BLOCK, -1).transpose(0, 2, 1)  # (N/16, K, 16)
+    q = _column_blocks(q)  # (N/16, K, 16)
     nibbles = q[:, 0::2] | (q[:, 1::2] << 4)
     dm = np.stack([d, m], axis=1).reshape(n // FLOAT_BLOCK, FLOAT_BLOCK, 2, -1).transpose(0, 3, 2, 1)
     return np.ascontiguousarray(nibbles), np.ascontiguousarray(dm)
@@ -113,6 +117,7 @@ def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _q8(q.reshape(n, -1), (_half(b[:, 208:210])[:, None] * scale).reshape(n, -1))
 
 
+@functools.cache
 def _packers() -> dict:
     import gguf
 
@@ -163,7 +168,7 @@ def use_gguf_weights(model: nn.Module, path: str | Path) -> int:
         where: dict[bytes, int] = {}
         for i, row in enumerate(values):
             where.setdefault(row.tobytes(), i)
-        for module in candidates:
+        for module in list(candidates):
             if module.weight[0].numpy().tobytes() not in where:  # another tensor of this shape (most are)
                 continue
             rows = [where.get(row.tobytes()) for row in module.weight.numpy()]
@@ -172,6 +177,7 @@ def use_gguf_weights(model: nn.Module, path: str | Path) -> int:
             packed, params = pack_gguf_tensor(tensor.tensor_type, blocks, np.array(rows))
             module.register_buffer("qpacked", packed, persistent=False)
             module.register_buffer("qparams", params, persistent=False)
+            candidates.remove(module)  # matched: later tensors of this shape are not dequantized for it
             attached += 1
     return attached
 
