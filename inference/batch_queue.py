@@ -18,18 +18,17 @@ from .decode import Request
 from .runners.static import StaticRunner
 
 
-def left_pad(prompts: Sequence[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(prompts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """1-D prompts -> left-padded input_ids (B, T) and attention_mask (B, T), on the prompts' device."""
-    ids = pad_sequence([p.long() for p in prompts], batch_first=True, padding_value=pad, padding_side="left")
+    ids = pad_sequence([p.long() for p in prompts], batch_first=True, padding_side="left")
     mask = pad_sequence([torch.ones_like(p, dtype=torch.long) for p in prompts], batch_first=True, padding_side="left")
     return ids, mask
 
 
 def prefilled_requests(runner: StaticRunner, prompts: Sequence[torch.Tensor], group: int,
                        stopper: Callable[[], Any], stats: Any = None) -> Iterator[Request]:
-    """Each prompt as a waiting Request, prefilled `group` prompts at a time on `runner` (its buffers reset for
-    each group) when the decoder asks for the next one; the prefill time is added to stats.prefill_time_s and the
-    forwards to stats.target_forwards (GenerationStats, if given)."""
+    """Each prompt as a waiting Request, prefilled `group` prompts at a time on `runner` (its buffers reset for each
+    group) when the decoder asks for the next one; counted in `stats` if given (prefill_time_s, target_forwards)."""
     for g in range(0, len(prompts), group):
         part = prompts[g: g + group]
         t0 = time.perf_counter()

@@ -1,13 +1,10 @@
 """The decoding loop, for every batch size (batch 1 is B = 1): prefill, then {propose, verify, accept, commit, stop}.
 
-Every row drafts its tree, the target verifies all rows' trees in ONE forward, each row keeps its own accepted path,
-and rows that stop leave the batch, or, with a queue of waiting requests (continuous batching), hand their row to
-the next request.
-
-Host syncs per step: the accepted paths and tokens of every row, in one transfer (verify.py; sampling walks each
-row's tree on the host instead). A row that stops takes the next waiting request, if any (runner.admit and
-drafter.admit); without waiting requests it leaves at once, a row from the back taking its place, so the rows still
-decoding stay the leading rows of the runner's buffers.
+Every row drafts its tree and the target verifies all rows' trees in ONE forward; each row keeps its own accepted
+path. Host syncs per step: the accepted paths and tokens of every row, in one transfer (verify.py; sampling walks
+each row's tree on the host instead). A row that stops takes the next waiting request, if any (continuous batching:
+runner.admit and drafter.admit); without waiting requests it leaves at once, a row from the back taking its place,
+so the rows still decoding stay the leading rows of the runner's buffers.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.nn.utils.rnn import pad_sequence
 
 from drafthead import DraftHead, check_compatible, load_head
 from drafthead.format import CONFIG_NAME, is_head_config
@@ -67,8 +68,7 @@ class QueueOutput:
 
 
 class SpeculativeGenerator:
-    """A frozen target plus a drafter; from_pretrained documents the arguments they share (tree, hybrid,
-    lookup_tokens / lookup_nodes, draft_kv / sink / window, speculate, compile, profile).
+    """A frozen target plus a drafter; from_pretrained documents the arguments they share.
 
     draft: a DraftHead (EAGLE-2 dynamic trees shaped by `tree` and the depth / top_k / total_tokens overrides), a
     StreamingSelfDrafter, any drafter.Drafter (prompt_lookup(), DraftModelDrafter, ...) or None with tree="none".
@@ -135,12 +135,11 @@ class SpeculativeGenerator:
         self.plain = isinstance(self.drafter, PlainDrafter)
         if self._runner is not None:
             self._check_runner(self._runner)
-        if isinstance(speculate, SpeculationSwitch):
-            self.switch = speculate
-        elif speculate in ("always", "auto"):
-            self.switch = SpeculationSwitch() if speculate == "auto" else None
-        else:
+        if speculate in ("always", "auto"):
+            speculate = SpeculationSwitch() if speculate == "auto" else None
+        elif not isinstance(speculate, SpeculationSwitch):
             raise ValueError(f"speculate must be 'always', 'auto' or a SpeculationSwitch, got {speculate!r}")
+        self.switch = speculate
 
     def _tune(self, head: DraftHead, hybrid: bool | None, lookup_tokens: int, draft_weights: str) -> tuple:
         """tree="auto": (tree or "none", hybrid, lookup_tokens) as tuned (or cached) for this machine on the runner
@@ -152,31 +151,29 @@ class SpeculativeGenerator:
                   "(pass tokenizer=): using the 'cpu' preset", file=sys.stderr)
             return "cpu", bool(hybrid), lookup_tokens
         if self._runner is None:
-            self._runner = make_runner(self.target, head.config.aux_layer_ids, self.runner_kind, self.compile)
-            self._owned.append(self._runner)
-            self._compile_notice()
+            self._runner = self._make_runner(head.config.aux_layer_ids)
         self.tuned = tuned_tree(self.target, head, self.tokenizer, self._runner, self.compile,
                                 lookup_tokens if hybrid is None else 0, type(self), draft_weights)
         if hybrid is None and self.tuned.lookup_tokens:
             hybrid, lookup_tokens = True, self.tuned.lookup_tokens
         return self.tuned.tree or "none", bool(hybrid), lookup_tokens
 
-    def _compile_notice(self) -> None:
-        """One line before the first compile, which takes minutes on a CPU."""
+    def _make_runner(self, feature_layers: list[int], **options: Any):
+        """A runner this generator owns, announced by one line when it compiles (minutes on a CPU)."""
+        runner = make_runner(self.target, feature_layers, self.runner_kind, self.compile, **options)
+        self._owned.append(runner)
         if self.compile:
             where = "several minutes on a CPU" if self.device.type == "cpu" else "about a minute"
             print(f"[drafthead] compile on: each decoding step shape compiles on its first use ({where}; "
                   "compile=False skips it)", file=sys.stderr, flush=True)
+        return runner
 
     @property
     def runner(self):
         """The target runner (built on first use, then reused across generate calls; or the one passed in)."""
         if self._runner is None:
-            self._runner = make_runner(self.target, self.drafter.feature_layers, self.runner_kind, self.compile,
-                                       largest_tree=self.drafter.tree_size)
+            self._runner = self._make_runner(self.drafter.feature_layers, largest_tree=self.drafter.tree_size)
             self._check_runner(self._runner)
-            self._owned.append(self._runner)
-            self._compile_notice()
         return self._runner
 
     def close(self) -> None:
@@ -295,8 +292,7 @@ class SpeculativeGenerator:
         loaded = isinstance(target, nn.Module)
         if device == "auto":
             device = None if loaded else ("cuda" if torch.cuda.is_available() else "cpu")
-        fast = dtype == "fast" or (dtype is None and not loaded)
-        if fast:  # bf16 on CUDA and on CPUs with native bf16, else (and for a GGUF file on a CPU) fp32
+        if dtype == "fast" or (dtype is None and not loaded):  # bf16 on CUDA or native-bf16 CPUs, else fp32
             dtype = auto_dtype(device or (next(target.parameters()).device if loaded else "cpu"), is_gguf(target))
         elif dtype == "auto":  # the checkpoint's (transformers' meaning); a loaded model keeps its own
             dtype = None
@@ -372,7 +368,6 @@ class SpeculativeGenerator:
         or do_sample). eos defaults to the target's generation_config.eos_token_id. Row i of `.sequences` is row i of
         input_ids followed by its new tokens (right-padded with the pad token to the longest row). A streamer
         follows one row. `stop=` is the deprecated name of stop_strings."""
-        stop_strings = _stop_strings(stop_strings, stop)
         if isinstance(input_ids, Mapping):  # a tokenizer's output (BatchEncoding), e.g. apply_chat_template(...)
             attention_mask = input_ids.get("attention_mask") if attention_mask is None else attention_mask
             input_ids = input_ids["input_ids"]
@@ -392,10 +387,9 @@ class SpeculativeGenerator:
                                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                do_sample=do_sample, eos_token_id=eos_token_id, stop_strings=stop_strings,
                                generation_config=generation_config, seed=seed, generator=generator,
-                               tokenizer=tokenizer)
-        out = torch.full((b, max(stats.rows_new_tokens)), self._pad_token(generation_config), dtype=torch.long)
-        for i, row in enumerate(new):
-            out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+                               tokenizer=tokenizer, stop=stop)
+        out = pad_sequence([torch.tensor(row, dtype=torch.long) for row in new], batch_first=True,
+                           padding_value=self._pad_token(generation_config))
         return GenerationOutput(torch.cat([input_ids, out.to(self.device)], dim=1), stats)
 
     @torch.inference_mode()
@@ -407,8 +401,6 @@ class SpeculativeGenerator:
         fp32); the other settings (temperature, top_p, top_k, do_sample, eos_token_id, stop_strings,
         generation_config, seed, generator, tokenizer) as in generate(). Returns each prompt's new tokens in the
         prompts' order."""
-        if "stop" in settings:
-            settings["stop_strings"] = _stop_strings(settings.get("stop_strings"), settings.pop("stop"))
         if batch_size < 1 or prefill_group < 1:
             raise ValueError(f"batch_size and prefill_group must be >= 1, got {batch_size} and {prefill_group}")
         prompts = [torch.as_tensor(p, dtype=torch.long).view(-1).to(self.device) for p in prompts]
@@ -455,10 +447,8 @@ class SpeculativeGenerator:
         if self.tuned is None or self.plain or self._warned_slow or stats.new_tokens < SLOW_CHECK_TOKENS:
             return
         self._judged_generations += 1
-        if self._judged_generations == 1:
-            return
         rate = stats.new_tokens / max(stats.total_time_s - stats.prefill_time_s, 1e-9)
-        if rate < SLOW_MARGIN * self.tuned.plain_tokens_per_s:
+        if self._judged_generations > 1 and rate < SLOW_MARGIN * self.tuned.plain_tokens_per_s:
             self._warned_slow = True
             warnings.warn(f"speculative decoding ran at {rate:.1f} tokens/s, below the "
                           f"{self.tuned.plain_tokens_per_s:.1f} tokens/s that plain decoding measured on this machine "
@@ -469,10 +459,17 @@ class SpeculativeGenerator:
                   top_p: float | None = None, top_k: int | None = None, do_sample: bool | None = None,
                   eos_token_id: int | list[int] | None = None, stop_strings: list[str] | str | None = None,
                   generation_config: Any = None, seed: int | None = None, generator: torch.Generator | None = None,
-                  tokenizer: Any = None) -> tuple[SamplingParams, int, torch.Generator | None, Any]:
+                  tokenizer: Any = None,
+                  stop: list[str] | str | None = None) -> tuple[SamplingParams, int, torch.Generator | None, Any]:
         """(sampling parameters, max_new_tokens, generator, a maker of one row's Stopper) from generate()'s arguments
         and the generation config: explicit arguments win; 20 new tokens by default; a generator seeded with `seed`
         where none is given; eos from the arguments, else the generation config, else the target's."""
+        if stop is not None:  # stop_strings' deprecated name, kept for one release
+            warnings.warn("generate(stop=) is now stop_strings= (as in transformers); stop= goes in the next release",
+                          DeprecationWarning, stacklevel=5)  # user, torch's inference_mode wrapper, generate, _run
+            if stop_strings is not None:
+                raise ValueError("pass stop_strings= only (stop= is its deprecated name)")
+            stop_strings = stop
         gc = generation_config
         params = SamplingParams.make(temperature, top_k, top_p, do_sample, gc)
         if max_new_tokens is None:
@@ -503,21 +500,8 @@ class SpeculativeGenerator:
         return 0
 
 
-def _stop_strings(stop_strings: list[str] | str | None, stop: list[str] | str | None) -> list[str] | str | None:
-    """stop_strings, or the deprecated stop= (one release, with a warning)."""
-    if stop is None:
-        return stop_strings
-    warnings.warn("generate(stop=) is now stop_strings= (as in transformers); stop= goes in the next release",
-                  DeprecationWarning, stacklevel=4)  # user, torch's inference_mode wrapper, generate
-    if stop_strings is not None:
-        raise ValueError("pass stop_strings= only (stop= is its deprecated name)")
-    return stop
-
-
 def is_head_folder(path: str | Path) -> bool:
     """True for a draft-head folder (native or EAGLE serving format), False for a plain causal LM's folder."""
     config = Path(path) / CONFIG_NAME
-    if not config.exists():
-        return False
-    return is_head_config(json.loads(config.read_text()))
+    return config.exists() and is_head_config(json.loads(config.read_text()))
 

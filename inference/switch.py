@@ -37,13 +37,10 @@ class SpeculationSwitch:
         speculation without any there, the measurement at the nearest larger batch (a larger batch costs more, so
         this leans towards trying the plain step); None if nothing fits."""
         seen = self.seconds.get((speculative, rows))
-        if seen:
-            return min(seen)
-        if speculative:
-            larger = sorted(b for s, b in self.seconds if s and b > rows)
-            if larger:
-                return min(self.seconds[True, larger[0]])
-        return None
+        if not seen and speculative:
+            larger = [b for s, b in self.seconds if s and b > rows]
+            seen = self.seconds[True, min(larger)] if larger else None
+        return min(seen) if seen else None
 
     def speculate(self, requests: list[int]) -> bool:
         """Whether the next step speculates, for the requests the batch's rows hold (finished ones excluded)."""

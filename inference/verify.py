@@ -54,8 +54,7 @@ def verify_greedy(tree: DraftTree, greedy: torch.Tensor) -> Accepted:
                     [row[1: 1 + row[0]] for row in host], [row[1 + n: 1 + n + row[0]] for row in host])
 
 
-def verify_sampling_rows(probs: torch.Tensor, tree: DraftTree,
-                         generator: torch.Generator | None = None) -> Accepted:
+def verify_sampling_rows(probs: torch.Tensor, tree: DraftTree, generator: torch.Generator | None) -> Accepted:
     """probs (B, n, V): processed target probabilities at every node; each row walks its own tree (host)."""
     paths, tokens = zip(*(verify_sampling(probs[k], tree.row(k), generator) for k in range(tree.tokens.shape[0])))
     return Accepted.from_host(list(paths), list(tokens), tree.size, tree.tokens.device)
