@@ -228,32 +228,15 @@ class SpeculativeGenerator:
         return seconds
 
     @classmethod
-    def from_pretrained(
-        cls,
-        target: str | Path | nn.Module,
-        draft: str | Path | DraftHead | Drafter | None,
-        device: str | torch.device | None = "auto",
-        dtype: str | torch.dtype | None = None,
-        tokenizer: Any = None,
-        tree: str | TreeOptions | None = "auto",
-        depth: int | None = None,
-        branching: int | None = None,
-        total_tokens: int | None = None,
-        runner: str = "auto",
-        compile: bool | str = "auto",
-        hybrid: bool | None = None,
-        gamma: int = 4,
-        lookup_tokens: int = 10,
-        lookup_nodes: int | None = None,
-        draft_kv: str = "full",
-        sink: int = 4,
-        window: int = 512,
-        draft_vocab: int | None = None,
-        speculate: str | SpeculationSwitch = "always",
-        draft_weights: str = "auto",
-        profile: bool = False,
-        top_k: int | None = None,
-    ) -> "SpeculativeGenerator":
+    def from_pretrained(cls, target: str | Path | nn.Module, draft: str | Path | DraftHead | Drafter | None,
+                        device: str | torch.device | None = "auto", dtype: str | torch.dtype | None = None,
+                        tokenizer: Any = None, tree: str | TreeOptions | None = "auto", depth: int | None = None,
+                        branching: int | None = None, total_tokens: int | None = None, runner: str = "auto",
+                        compile: bool | str = "auto", hybrid: bool | None = None, gamma: int = 4,
+                        lookup_tokens: int = 10, lookup_nodes: int | None = None, draft_kv: str = "full",
+                        sink: int = 4, window: int = 512, draft_vocab: int | None = None,
+                        speculate: str | SpeculationSwitch = "always", draft_weights: str = "auto",
+                        profile: bool = False, top_k: int | None = None) -> "SpeculativeGenerator":
         """target: HF folder/name, a GGUF file (its Q8_0 / Q6_K / Q5_0 / Q4_0 / Q4_1 / Q4_K blocks kept for the decoding
         steps in float32 on an AVX2 CPU: cpu/gguf_weights.py) or a loaded causal LM. device: "auto" (CUDA when present,
         else CPU; a loaded model stays where it is) or a device. dtype: a name or torch dtype; "fast" (bf16 on CUDA and
@@ -344,24 +327,12 @@ class SpeculativeGenerator:
                    total_tokens=total_tokens)
 
     @torch.inference_mode()
-    def generate(
-        self,
-        input_ids: torch.Tensor | Mapping[str, torch.Tensor],
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        do_sample: bool | None = None,
-        eos_token_id: int | list[int] | None = None,
-        stop_strings: list[str] | str | None = None,
-        streamer: Any = None,
-        generation_config: Any = None,
-        seed: int | None = None,
-        generator: torch.Generator | None = None,
-        tokenizer: Any = None,
-        attention_mask: torch.Tensor | None = None,
-        stop: list[str] | str | None = None,
-    ) -> GenerationOutput:
+    def generate(self, input_ids: torch.Tensor | Mapping[str, torch.Tensor], max_new_tokens: int | None = None,
+                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                 do_sample: bool | None = None, eos_token_id: int | list[int] | None = None,
+                 stop_strings: list[str] | str | None = None, streamer: Any = None, generation_config: Any = None,
+                 seed: int | None = None, generator: torch.Generator | None = None, tokenizer: Any = None,
+                 attention_mask: torch.Tensor | None = None, stop: list[str] | str | None = None) -> GenerationOutput:
         """Speculative generation for prompts (B, T), left-padded with their `attention_mask` when B > 1 (as
         transformers' generate takes a batch), or a tokenizer's output holding both. Arguments as in transformers'
         generate; explicit arguments win over `generation_config`. Greedy unless sampling is asked for (temperature > 0
