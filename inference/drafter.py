@@ -44,8 +44,7 @@ class Accepted:
         def padded(rows: list[list[int]]) -> torch.Tensor:
             return torch.tensor([row + [-1] * (width - len(row)) for row in rows], dtype=torch.long).to(device)
 
-        return Accepted(padded(paths), padded(tokens), torch.tensor([len(p) for p in paths]).to(device), paths,
-                        tokens)
+        return Accepted(padded(paths), padded(tokens), torch.tensor([len(p) for p in paths]).to(device), paths, tokens)
 
 
 @runtime_checkable

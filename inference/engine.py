@@ -432,9 +432,8 @@ class SpeculativeGenerator:
                   generation_config: Any = None, seed: int | None = None, generator: torch.Generator | None = None,
                   tokenizer: Any = None,
                   stop: list[str] | str | None = None) -> tuple[SamplingParams, int, torch.Generator | None, Any]:
-        """(sampling parameters, max_new_tokens, generator, a maker of one row's Stopper) from generate()'s arguments
-        and the generation config: explicit arguments win; 20 new tokens by default; a generator seeded with `seed`
-        where none is given; eos from the arguments, else the generation config, else the target's."""
+        """(sampling parameters, max_new_tokens (20 by default), generator, a maker of one row's Stopper) from
+        generate()'s arguments, which win over the generation config (then the target's own for eos)."""
         if stop is not None:  # stop_strings' deprecated name, kept for one release
             warnings.warn("generate(stop=) is now stop_strings= (as in transformers); stop= goes in the next release",
                           DeprecationWarning, stacklevel=5)  # user, torch's inference_mode wrapper, generate, _run

@@ -39,8 +39,7 @@ class GenerationStats:
     total_time_s: float = 0.0
 
     def count(self, tree: DraftTree, accepted: Accepted, origin_names: tuple[str, ...]) -> None:
-        """Record one verification: each row's accepted length and, when the tree names its drafters, who proposed
-        what."""
+        """Record one verification: each row's accepted length and, if the tree names its drafters, who drafted what."""
         self.target_forwards += 1
         self.accept_lengths += [len(p) for p in accepted.host_paths]
         if tree.origin is None:

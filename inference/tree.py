@@ -46,17 +46,15 @@ def tree_options(tree: str | TreeOptions | None = "cpu", **overrides: int | None
         except ValueError:
             raise ValueError(f"a tree as numbers is 'depth,top_k,total_tokens', got {tree!r}") from None
         tree = TreeOptions(depth, top_k, total)
-    if isinstance(tree, str):
-        if tree not in TREE_PRESETS:
-            raise ValueError(f"unknown tree preset {tree!r}; choose from {sorted(TREE_PRESETS)}")
-        tree = TREE_PRESETS[tree]
+    if isinstance(tree, str) and tree not in TREE_PRESETS:
+        raise ValueError(f"unknown tree preset {tree!r}; choose from {sorted(TREE_PRESETS)}")
+    tree = TREE_PRESETS[tree] if isinstance(tree, str) else tree
     return replace(tree, **{k: v for k, v in overrides.items() if v is not None})
 
 
 @dataclass
 class DraftTree:
-    """One verification tree per row of a batch, all of size n. Node 0 is each row's root; parents come before
-    children."""
+    """One verification tree per row of a batch, all of size n; node 0 is each row's root, parents precede children."""
 
     tokens: torch.Tensor  # (B, n) target token ids, root first
     parents: torch.Tensor  # (B, n) parent index, -1 at the root

@@ -61,8 +61,7 @@ def verify_sampling_rows(probs: torch.Tensor, tree: DraftTree, generator: torch.
 
 
 def children_lists(tree: DraftTree) -> list[list[int]]:
-    """Children of each node of a one-row tree in index order (the drafter's order: siblings by descending draft
-    score)."""
+    """Children of each node of a one-row tree in index order (the drafter's: siblings by descending draft score)."""
     kids: list[list[int]] = [[] for _ in range(tree.size)]
     for child, parent in enumerate(tree.parents[0].tolist()):
         if parent >= 0:
