@@ -51,8 +51,7 @@ class SpeculationSwitch:
         elif plain is None:
             choice = False
         else:
-            known = list(self.gain.values())
-            prior = sum(known) / len(known)  # a request not measured yet: as the others
+            prior = sum(self.gain.values()) / len(self.gain)  # a request not measured yet: as the others
             tokens = sum(self.gain.get(r, prior) for r in requests)
             choice = tokens / spec >= rows / plain
             if self.steps - self.last_switch >= self.recheck_every and choice == self.choice:
