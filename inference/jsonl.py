@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,9 +14,7 @@ def iter_jsonl(path: str | Path, limit: int | None = None,
     naming file:line on bad JSON."""
     path = Path(path)
     with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if limit is not None and n > limit:
-                break
+        for n, line in enumerate(itertools.islice(f, limit), 1):
             if not line.strip():
                 continue
             try:

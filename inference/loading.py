@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -16,11 +17,6 @@ from drafthead.errors import PathNotFound
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # namespace/name
 
 
-def hub_allowed() -> bool:
-    """Whether the user lets transformers reach the Hugging Face Hub (HF_HUB_OFFLINE unset or 0)."""
-    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("0", "false", "no", "")
-
-
 def resolve_source(source: str | Path, what: str) -> str:
     """A model reference as transformers should load it. A local path stays a local path (`~` expanded) and must
     exist; a `namespace/name` that is no local folder is a Hub id, tried only where the Hub is allowed (said on
@@ -28,14 +24,12 @@ def resolve_source(source: str | Path, what: str) -> str:
     text = str(source)
     path = Path(text).expanduser()
     if path.exists():
-        if path.is_file() and path.suffix == ".gguf":
-            return str(path)
-        if not path.is_dir() or not (path / "config.json").exists():
+        if not (path.is_file() and path.suffix == ".gguf") and not (path / "config.json").exists():
             raise PathNotFound(f"{what} {path}: not a model folder (no config.json)")
         return str(path)
     if isinstance(source, Path) or not _HUB_ID.fullmatch(text) or text.startswith((".", "~")):
         raise PathNotFound(f"{what} {path}: no such folder")
-    if not hub_allowed():
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "false", "no", ""):
         raise PathNotFound(f"{what} {text}: no such folder (and not looked up on the Hugging Face Hub: "
                            "HF_HUB_OFFLINE is set)")
     print(f"[drafthead] {what} {text}: no local folder of that name, loading it from the Hugging Face Hub",
@@ -68,8 +62,6 @@ def load_causal_lm(source: str | Path | nn.Module, dtype: torch.dtype | None = N
 
         use_gguf_weights(model, source)
     if tokenizer is None:
-        try:
+        with contextlib.suppress(OSError, ValueError):  # a folder or file without one
             tokenizer = AutoTokenizer.from_pretrained(**where)
-        except (OSError, ValueError):
-            tokenizer = None
     return model, tokenizer

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from drafthead import DraftHead
-from drafthead.hardware import cpu_flags, resolve_device, resolve_dtype
+from drafthead.hardware import cpu_flags
 from drafthead.paths import cache_dir
 from drafthead.utils import atomic_write_bytes, atomic_write_json, dtype_name
 
@@ -35,9 +35,7 @@ from ..drafters.draft_model import DraftModelDrafter, load_draft_model
 from ..drafters.lookup import prompt_lookup
 from ..engine import SpeculativeGenerator
 from ..jsonl import iter_jsonl
-from ..loading import is_gguf, load_causal_lm
 from ..runners import make_runner
-from ..runners.compile import compile_setting
 from ..stats import accept_histogram
 from ..tree import TreeOptions, tree_options
 from ..tuning.budget import auto_tree, choose_draft_vocab
@@ -317,19 +315,25 @@ def run_bench(args: argparse.Namespace, on_prompt=None) -> dict:
     prompt (so a killed run keeps what it measured)."""
     from tqdm import tqdm
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device, is_gguf(args.target))
-    model, tokenizer = load_causal_lm(args.target, dtype, what="target")
-    model = model.to(device).eval()
+    model, tokenizer, device, dtype = batch_bench.load_target(args)
     if tokenizer is None:
         raise SystemExit(f"no tokenizer in {args.target}: the prompts need the target's chat template")
     prompts = load_prompts(args.prompts, args.num_prompts, args.category)
     if not prompts:
         raise SystemExit(f"no prompts in {args.prompts}" + (f" of category {args.category!r}" if args.category else ""))
     inputs = [chat_ids(tokenizer, p, device) for p in prompts]
-    methods, setup, head = prepare_methods(args, model, tokenizer, inputs)
+    head, full_head, draft_model, vocab_heads = load_drafts(args, model, tokenizer)
+    runner = make_runner(model, head.config.aux_layer_ids if head is not None else [], args.runner, args.compile)
+    tree_start = time.perf_counter()
+    options, tree_info = None, {}
+    if head is not None:
+        options, tree_info, head = choose_tree(args, model, head, tokenizer, inputs, runner, vocab_heads)
+    tree_info["tuning_s"] = time.perf_counter() - tree_start
+    methods = build_methods(args, model, head, tokenizer, model.generation_config.eos_token_id, runner, options,
+                            tree_info, full_head if full_head is not head else None, draft_model)
+    setup = {"draft_vocab": head.config.draft_vocab_size if head is not None and args.draft_vocab else None,
+             "runner": type(runner).__name__, "compile": args.compile, "warmup_s": warm_up(methods, inputs, args),
+             "tree": tree_info}
     divergences = DivergenceLog(model, head, dtype, methods[0])
     result = {}
     for i, ids in enumerate(tqdm(inputs, desc="bench", unit="prompt")):
@@ -338,26 +342,6 @@ def run_bench(args: argparse.Namespace, on_prompt=None) -> dict:
         if on_prompt is not None:
             on_prompt(result)
     return result
-
-
-def prepare_methods(args, model, tokenizer, inputs: list[torch.Tensor]) -> tuple[list[Method], dict, Any]:
-    """Drafts, shared runner, tree, methods and their warm-up: (methods, the setup part of the JSON, head | None)."""
-    device = next(model.parameters()).device
-    args.compile = compile_setting(args.compile, device)
-    head, full_head, draft_model, vocab_heads = load_drafts(args, model, tokenizer)
-    runner = make_runner(model, head.config.aux_layer_ids if head is not None else [], args.runner, args.compile)
-    tree_start = time.perf_counter()
-    options, tree_info = None, {}
-    if head is not None:
-        options, tree_info, head = choose_tree(args, model, head, tokenizer, inputs, runner, vocab_heads)
-    tree_info["tuning_s"] = time.perf_counter() - tree_start
-    eos = model.generation_config.eos_token_id
-    methods = build_methods(args, model, head, tokenizer, eos, runner, options, tree_info,
-                            full_head if full_head is not head else None, draft_model)
-    compile_s = warm_up(methods, inputs, args)
-    setup = {"draft_vocab": head.config.draft_vocab_size if head is not None and args.draft_vocab else None,
-             "runner": type(runner).__name__, "compile": args.compile, "warmup_s": compile_s, "tree": tree_info}
-    return methods, setup, head
 
 
 def measure_prompt(i: int, ids: torch.Tensor, methods: list[Method], divergences: "DivergenceLog",
@@ -548,8 +532,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     grid = bool(args.grid or args.batch_size or args.context)  # the batch x context benchmark (batch.py)
     run, draw = (batch_bench.run_batch_bench, batch_bench.plot_grid) if grid else (run_bench, plot)
-    result = run(batch_bench.normalise(args) if grid else args, lambda partial: atomic_write_json(args.out, partial))
-    atomic_write_json(args.out, result)
+    result = run(batch_bench.normalise(args) if grid else args, functools.partial(atomic_write_json, args.out))
     draw(result, args.plot or args.out.with_suffix(".png"))
     if not grid:
         print(f"\n{result['prompts']} prompts, {result['dtype']} on {result['device']}")

@@ -16,6 +16,7 @@ import contextlib
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -189,16 +190,21 @@ def summarise_cell(groups: list[dict], names: list[str], b: int, context: int) -
     return cell
 
 
-def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
-    """Every (context, batch) cell of the grid, or the one cell asked for; `on_cell(result)` after each."""
+def load_target(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, torch.device, torch.dtype]:
+    """Both modes' target on --device in --dtype, its tokenizer, device, dtype (--threads set, --compile resolved)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device, is_gguf(args.target))
     model, tokenizer = load_causal_lm(args.target, dtype, what="target")
-    model = place_module(model, device, dtype).eval()
-    head = load_head(args.draft, target=model, device=device, dtype=dtype) if args.draft else None
     args.compile = compile_setting(args.compile, device)
+    return place_module(model, device, dtype).eval(), tokenizer, device, dtype
+
+
+def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
+    """Every (context, batch) cell of the grid, or the one cell asked for; `on_cell(result)` after each."""
+    model, tokenizer, device, dtype = load_target(args)
+    head = load_head(args.draft, target=model, device=device, dtype=dtype) if args.draft else None
     drafters = make_drafters(args, model, head, tokenizer)
     names = list(drafters)
     runner = StaticRunner(model, next((d.feature_layers for d in drafters.values() if d.feature_layers), []),

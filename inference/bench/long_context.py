@@ -41,10 +41,8 @@ def _iter_documents(path: Path, min_chars: int) -> Iterator[tuple[bool, str]]:
     run_chars = 0
     for n, row in iter_jsonl(path, error=ValueError):
         text = _conversation_text(path, n, row)
-        if len(text) < piece_chars:
-            continue
         digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
-        if digest in seen:
+        if len(text) < piece_chars or digest in seen:
             continue
         seen.add(digest)
         if len(text) >= min_chars:

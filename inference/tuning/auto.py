@@ -4,6 +4,7 @@ a second process reads the choice back without tuning."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -60,11 +61,9 @@ def machine(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     name = platform.processor() or platform.machine()
-    try:
+    with contextlib.suppress(OSError):
         name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                      if line.startswith("model name")), name)
-    except OSError:
-        pass
     return f"{name} [{' '.join(cpu_flags())}] x{torch.get_num_threads()} threads"
 
 
@@ -165,9 +164,8 @@ def tuned_tree(model: nn.Module, head: DraftHead, tokenizer: Any, runner: Any, c
         else:  # prompt lookup alone: its own rate; plain decoding: none
             chosen = branch["tokens_per_s"]["with_lookup"] if lookup else 0.0
         cached = TunedTree(options, lookup, report["predicted_plain"]["tokens_per_s"], chosen)
-        atomic_write_json(path, {"key": key, "tree": dataclasses.asdict(options) if options else "none",
-                                "lookup_tokens": cached.lookup_tokens,
-                                "plain_tokens_per_s": cached.plain_tokens_per_s, "tokens_per_s": cached.tokens_per_s,
+        tree = dataclasses.asdict(options) if options else "none"
+        atomic_write_json(path, {"key": key, **dataclasses.asdict(cached), "tree": tree,
                                 "tuning_s": time.perf_counter() - start, "estimate_s": estimate, "report": report})
     if cached.tree is None:
         then = (f"drafting by prompt lookup alone (up to {cached.lookup_tokens} tokens copied from the context), "

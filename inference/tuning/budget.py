@@ -34,7 +34,6 @@ from ..tree import TREE_PRESETS, DraftTree, TreeOptions
 
 TOTALS = tuple(range(1, 17)) + (20, 24, 28, 32, 40, 48, 56, 60, 64, 80)
 TRIAL_TREES = 4  # the best predicted tree of this many verify sizes decodes for real before the choice
-TRIAL_ROUNDS = 2  # each trial generator decodes every calibration prompt this many times (taking turns)
 ROW = ("tokens_per_s", "tau", "step_ms", "depth", "top_k", "total_tokens")  # a candidate's fields, as ranked
 
 
@@ -50,7 +49,7 @@ class TuningBudget:
     verify_reps: int = 15
     draft_reps: int = 5
     trial_trees: int = TRIAL_TREES
-    rounds: int = TRIAL_ROUNDS
+    rounds: int = 2  # each trial generator decodes every calibration prompt this many times (taking turns)
 
 
 FULL = TuningBudget()
@@ -182,7 +181,7 @@ def measure_draft_ms(runner, head: DraftHead, prefix: torch.Tensor, trees: list[
 
 
 def decode_trial(generator: Callable[..., Any], model: nn.Module, runner, variants: dict,
-                 inputs: list[torch.Tensor], max_new_tokens: int, rounds: int = TRIAL_ROUNDS) -> dict:
+                 inputs: list[torch.Tensor], max_new_tokens: int, rounds: int) -> dict:
     """{key: {"tokens_per_s", "tau", "step_ms"}} of real greedy generations of `inputs` on `runner` by one generator
     per variant ({key: (draft, generator keywords)}), taking turns prompt by prompt for `rounds` rounds after an
     untimed warm-up (every verify bucket its drafter may fill, lest one only some prompt reaches compile while timed;
@@ -208,7 +207,7 @@ def decode_trial(generator: Callable[..., Any], model: nn.Module, runner, varian
 
 
 def choose_draft_vocab(model: nn.Module, heads: dict[int, DraftHead], runner, tree: TreeOptions,
-                       inputs: list[torch.Tensor], max_new_tokens: int, rounds: int = TRIAL_ROUNDS,
+                       inputs: list[torch.Tensor], max_new_tokens: int, rounds: int = FULL.rounds,
                        verbose: bool = True, *, generator: Callable[..., Any]) -> tuple[int, dict]:
     """The fastest draft vocabulary: `heads` maps a size to the head pruned to it (DraftHead.pruned; the unpruned
     head under its own size), and each decodes `inputs` with `tree` on `runner`, taking turns; a smaller one
@@ -289,8 +288,8 @@ def auto_tree(
     draft_weights: str = "auto",
 ) -> tuple[TreeOptions | None, dict]:
     """Choose the tree budget that maximises tokens/s on this device, dtype and `runner` (the one the generator will
-    use). Returns (options, report); options is None when plain decoding on
-    the same runner measured at least as fast as every tree in the trial.
+    use). Returns (options, report); options is None when plain decoding on the same runner measured at least as
+    fast as every tree in the trial.
     vocab_heads ({draft vocabulary size: head pruned to it}): the chosen tree then decodes with each
     (choose_draft_vocab); report["draft_vocab"]["chosen"] is the fastest, which the lookup trial then uses (the tree
     itself is tuned with `head`).
@@ -307,7 +306,6 @@ def auto_tree(
     gen = generator(model, recorder, compile=False, runner=calibration_runner)
     # the generators below: the head's draft with these weights (plain decoding's, draft None, takes no draft weights)
     generator = functools.partial(generator, draft_weights=draft_weights)
-    records = recorder.records
     overhead_ms = []
     for ids in calibration_inputs:
         out = gen.generate(ids, max_new_tokens=max_new_tokens)
@@ -328,7 +326,7 @@ def auto_tree(
         return min(n for n in verify_ms if n >= total)
 
     def predict(depth: int, top_k: int, total: int) -> tuple:  # a ROW: replayed tau over the timed step
-        tau = expected_tau(records, depth, top_k, total)
+        tau = expected_tau(recorder.records, depth, top_k, total)
         step_ms = draft_ms[(depth, top_k)] + verify_ms[verify_size(total)] + overhead
         return 1000 * tau / step_ms, tau, step_ms, depth, top_k, total
 
@@ -351,6 +349,7 @@ def auto_tree(
     tps, tau, step_ms, depth, top_k, total = prefer_smaller(measured, verify_size) if measured else \
         (0.0, 1.0, plain_ms, 0, 0, 0)
     options = TreeOptions(depth=depth, top_k=top_k, total_tokens=total) if tps > 1000 / plain_ms else None
+    choice = f"depth={depth} top_k={top_k} total_tokens={total}" if options else "none (plain decoding)"  # verbose line
     draft_vocab = None
     if options is not None and vocab_heads and len(vocab_heads) > 1:
         size, rates = choose_draft_vocab(model, vocab_heads, runner, options, calibration_inputs, max_new_tokens,
@@ -369,6 +368,7 @@ def auto_tree(
             lookup_branch = {"tokens": 0, "chosen": False, "tokens_per_s": None,
                              "skipped": f"the tree fills the runner's largest verify bucket ({buckets[-1]})" if options
                              else "the runner verifies one token a step"}
+            choice += f", without the prompt-lookup branch ({lookup_branch['skipped']})"
         else:
             # measured, not replayed: the branch's copies of the context are unknown to the recorded trees
             variants = {n: (head, {"tree": options or "none", "hybrid": n > 0, "lookup_tokens": max(n, 1)})
@@ -381,6 +381,8 @@ def auto_tree(
             lookup_branch = {"tokens": best, "chosen": chosen,
                              "tokens_per_s": {"tree_alone": rates[0], "with_lookup": rates[best]},
                              "trial": {str(n): rates[n] for n in counts}}
+            choice += (f", {'with' if chosen else 'without'} the prompt-lookup branch ({rates[best]:.1f} vs "
+                       f"{rates[0]:.1f} tok/s {'alone' if options else 'plain'})")
     gpu = TREE_PRESETS["gpu"]
     gpu_tree = None  # the GPU preset's prediction, where the runner verifies a tree that large
     if gpu.total_tokens <= max(verify_ms) and (gpu.depth, gpu.top_k) in draft_ms:
@@ -397,18 +399,10 @@ def auto_tree(
         "verify_ms": {str(k): v for k, v in verify_ms.items()},
         "draft_ms": {f"{d},{k}": v for (d, k), v in draft_ms.items()},
         "overhead_ms": overhead,
-        "calibration_steps": len(records),
+        "calibration_steps": len(recorder.records),
         "top_candidates": [dict(zip(ROW, row)) for row in sorted(table, reverse=True)[:5]],
     }
     if verbose:
-        choice = f"depth={depth} top_k={top_k} total_tokens={total}" if options else "none (plain decoding)"
-        if lookup_branch is not None and lookup_branch["tokens_per_s"] is None:
-            choice += f", without the prompt-lookup branch ({lookup_branch['skipped']})"
-        elif lookup_branch is not None:
-            rates = lookup_branch["tokens_per_s"]
-            choice += (f", {'with' if lookup_branch['chosen'] else 'without'} the prompt-lookup branch "
-                       f"({rates['with_lookup']:.1f} vs {rates['tree_alone']:.1f} tok/s "
-                       f"{'alone' if options else 'plain'})")
         print(f"tree auto: {choice} (best tree: replayed tau {tau:.2f}, measured {step_ms:.1f} ms/step, "
               f"{tps:.1f} tok/s; plain step {plain_ms:.1f} ms = {1000 / plain_ms:.1f} tok/s)", flush=True)
     return options, report
