@@ -116,11 +116,13 @@ def test_draft_vocab_trial_measures_every_size_and_keeps_the_fastest():
     runner = StaticRunner(target, head.config.aux_layer_ids, buckets=(1, 4, 8))
     tree = TreeOptions(depth=2, top_k=2, total_tokens=3)
     calib = prompts(2, target.config.vocab_size, seed=6)
-    chosen, rates = budget.choose_draft_vocab(target, heads, runner, tree, calib, max_new_tokens=10, rounds=1,
-                                              verbose=False, generator=SpeculativeGenerator)
-    assert set(rates) == {20, 60, 200}
+    chosen, report = budget.choose_draft_vocab(target, heads, runner, tree, calib, max_new_tokens=10, rounds=1,
+                                               verbose=False, generator=SpeculativeGenerator)
+    rates = report["trial"]
+    assert set(rates) == {"20", "60", "200"}
     assert all(r["tokens_per_s"] > 0 and r["tau"] >= 1 for r in rates.values())
-    assert chosen == max(rates, key=lambda n: rates[n]["tokens_per_s"])
+    assert str(report["chosen"]) == max(rates, key=lambda n: rates[n]["tokens_per_s"])
+    assert chosen is heads[report["chosen"]]
 
 
 def test_bench_draft_vocab_auto(tmp_path):

@@ -162,11 +162,9 @@ def choose_tree(args, model, head, tokenizer, inputs, runner,
         options = tree_options(args.tree)
         info = {"chosen": dataclasses.asdict(options)}
         if vocab_heads:
-            size, rates = choose_draft_vocab(model, vocab_heads, runner, options, calib, args.calibration_tokens,
-                                             generator=functools.partial(SpeculativeGenerator,
-                                                                         draft_weights=args.draft_weights))
-            head = vocab_heads[size]
-            info["draft_vocab"] = {"chosen": size, "trial": {str(k): v for k, v in rates.items()}}
+            generator = functools.partial(SpeculativeGenerator, draft_weights=args.draft_weights)
+            head, info["draft_vocab"] = choose_draft_vocab(model, vocab_heads, runner, options, calib,
+                                                           args.calibration_tokens, generator=generator)
         return options, info, head
     options, report = auto_tree(model, head, calib, max_new_tokens=args.calibration_tokens, runner=runner,
                                 lookup_tokens=args.hybrid_tokens if args.auto_lookup else 0, vocab_heads=vocab_heads,

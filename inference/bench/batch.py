@@ -219,7 +219,6 @@ def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
     for context in args.contexts:
         distinct = max(args.batch_sizes) if args.continuous else max(max(args.batch_sizes), args.prompts_per_cell)
         prompts = long_prompts(tokenizer, context, distinct, task=args.task)
-        peak_rss_reset()
         rows, seconds = prefill_rows(runner, prompts)
         result.setdefault("prefill", {})[str(context)] = {"prompts": len(rows), "seconds": round(seconds, 1),
                                                           "tokens_per_s": len(rows) * context / seconds}

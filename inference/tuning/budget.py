@@ -208,17 +208,18 @@ def decode_trial(generator: Callable[..., Any], model: nn.Module, runner, varian
 
 def choose_draft_vocab(model: nn.Module, heads: dict[int, DraftHead], runner, tree: TreeOptions,
                        inputs: list[torch.Tensor], max_new_tokens: int, rounds: int = FULL.rounds,
-                       verbose: bool = True, *, generator: Callable[..., Any]) -> tuple[int, dict]:
+                       verbose: bool = True, *, generator: Callable[..., Any]) -> tuple[DraftHead, dict]:
     """The fastest draft vocabulary: `heads` maps a size to the head pruned to it (DraftHead.pruned; the unpruned
     head under its own size), and each decodes `inputs` with `tree` on `runner`, taking turns; a smaller one
-    drafts faster but never drafts the tokens left out. Returns (chosen size, {size: decode_trial's rates})."""
+    drafts faster but never drafts the tokens left out. Returns (the fastest, {"chosen": its size, "trial":
+    {str(size): decode_trial's rates}})."""
     variants = {size: (head, {"tree": tree}) for size, head in sorted(heads.items())}
     rates = decode_trial(generator, model, runner, variants, inputs, max_new_tokens, rounds)
     chosen = max(rates, key=lambda size: rates[size]["tokens_per_s"])
     if verbose:
         trial = ", ".join(f"{size}: {r['tokens_per_s']:.1f} tok/s tau {r['tau']:.2f}" for size, r in rates.items())
         print(f"draft vocabulary auto: {chosen} ({trial})", flush=True)
-    return chosen, rates
+    return heads[chosen], {"chosen": chosen, "trial": {str(k): v for k, v in rates.items()}}
 
 
 def _ranks(values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
@@ -352,10 +353,9 @@ def auto_tree(
     choice = f"depth={depth} top_k={top_k} total_tokens={total}" if options else "none (plain decoding)"  # verbose line
     draft_vocab = None
     if options is not None and vocab_heads and len(vocab_heads) > 1:
-        size, rates = choose_draft_vocab(model, vocab_heads, runner, options, calibration_inputs, max_new_tokens,
-                                         rounds=budget.rounds, verbose=verbose, generator=generator)
-        head = vocab_heads[size]
-        draft_vocab = {"chosen": size, "trial": {str(k): v for k, v in rates.items()}}
+        head, draft_vocab = choose_draft_vocab(model, vocab_heads, runner, options, calibration_inputs,
+                                               max_new_tokens, rounds=budget.rounds, verbose=verbose,
+                                               generator=generator)
     lookup_branch = None
     if lookup_tokens > 0:
         # the branch's nodes come on top of the tree's: a static runner's largest bucket bounds the two together,

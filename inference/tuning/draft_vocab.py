@@ -10,6 +10,7 @@ cheaper, at the price of never drafting the rare tokens. Output stays lossless: 
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -58,13 +59,10 @@ def parse_draft_vocab(value: str) -> int | str:
     """--draft-vocab: a positive number of draft tokens to keep, or "auto"."""
     if value == "auto":
         return value
-    try:
-        size = int(value)
-    except ValueError:
-        size = 0
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of draft tokens or 'auto', got {value!r}")
-    return size
+    with contextlib.suppress(ValueError):
+        if int(value) > 0:
+            return int(value)
+    raise argparse.ArgumentTypeError(f"expected a positive number of draft tokens or 'auto', got {value!r}")
 
 
 def vocab_candidates(head: Any, counts: torch.Tensor, sizes: tuple[int, ...] = AUTO_SIZES) -> dict[int, Any]:
