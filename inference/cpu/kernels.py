@@ -103,8 +103,7 @@ def _build(name: str, paths: list[Path], flags: list[str], what: str, timeout: f
 
 @functools.cache
 def source_digest() -> str:
-    """A short digest of every kernel source and header (in the tuning's cache key: a changed kernel is tuned
-    again)."""
+    """A short digest of every kernel source and header (in the tuning's cache key: a changed kernel is tuned again)."""
     digest = hashlib.sha256()
     _add_files(digest, sorted(HERE.glob("*.cpp")) + sorted(HERE.glob("*.h")))
     return digest.hexdigest()[:12]
@@ -122,8 +121,7 @@ def _register_fakes(namespace: str, block: int) -> None:
 
     @torch.library.register_fake(f"{namespace}::prefix_attention")
     def _(query, key, value, mask, scaling, length, rows):
-        b, heads, n, d = query.shape
-        return query.new_empty(b, n, heads, d)
+        return query.new_empty(query.transpose(1, 2).shape)  # (B, n, heads, D)
 
 
 @functools.cache

@@ -114,13 +114,6 @@ class DraftModelDrafter:
         self.runner.commit(Accepted.from_host(kept, kept, m, self.device))
         return logits[torch.arange(len(rows), device=self.device), torch.tensor(counts, device=self.device) - 1]
 
-    def _pick(self, logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next draft token of every row (B,) and the distribution it was drawn from (B, V) (greedy: None)."""
-        if params.do_sample:
-            q = match_vocab(target_probs(logits, params), self.vocab)
-            return torch.multinomial(q, 1, generator=generator).view(-1), q
-        return logits[:, : self.vocab].argmax(dim=-1), None
-
     @torch.inference_mode()
     def propose(self, roots: torch.Tensor, params: SamplingParams,
                 generator: torch.Generator | None = None) -> DraftTree:
@@ -128,11 +121,14 @@ class DraftModelDrafter:
         rows = [pending + [root] for pending, root in zip(self.pending, roots.tolist())]
         logits = self._feed(rows)
         self.after_root = self.runner.length.clone()
-        for i in range(self.gamma):
-            token, q = self._pick(logits, params, generator)
-            drafted.append(token)
-            if q is not None:
+        for i in range(self.gamma):  # each row's next draft token (B,), sampled: with its distribution q (B, V)
+            if params.do_sample:
+                q = match_vocab(target_probs(logits, params), self.vocab)
+                token = torch.multinomial(q, 1, generator=generator).view(-1)
                 qs.append(q)
+            else:
+                token = logits[:, : self.vocab].argmax(dim=-1)
+            drafted.append(token)
             if i < self.gamma - 1:  # the last draft is never fed: if accepted it goes with the bonus next time
                 logits = self._feed([[t] for t in token.tolist()])
         return DraftTree.chain(roots, torch.stack(drafted, dim=1), torch.stack(qs, dim=1) if qs else None, origin=1)

@@ -20,7 +20,7 @@ from ..cpu.small_gemm import (BATCH_KERNEL_ROWS, int8_drafting, int8_weights, re
 from ..drafter import Accepted, Drafter
 from ..runners.attention import decoding_attention
 from ..runners.compile import compile_step
-from ..runners.kv import SlotMap, write_rows
+from ..runners.kv import SlotMap
 from ..tree import DraftTree, TreeOptions, expand_tree, select_tree
 
 FEED_CHUNK = 256  # pairs per head forward when feeding a prompt
@@ -53,8 +53,9 @@ class RowSlotCache:
         self.slots: torch.Tensor | None = None
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int = 0, *args, **kwargs):
-        write_rows(self.keys, self.slots, keys.transpose(1, 2))
-        write_rows(self.values, self.slots, values.transpose(1, 2))
+        rows = torch.arange(self.keys.shape[0], device=self.keys.device).unsqueeze(1)
+        self.keys[rows, :, self.slots] = keys.transpose(1, 2)  # (B, n, kv_heads, D) at each row's slots (B, n)
+        self.values[rows, :, self.slots] = values.transpose(1, 2)
         return self.keys, self.values
 
     def __len__(self) -> int:
@@ -82,6 +83,8 @@ class HeadDrafter(Drafter):
         self.opt = options
         self.layout = SlotMap(sink, window)
         self.tree_size = self.smallest_tree = options.tree_size  # every tree holds all its total_tokens
+        self.path_width = options.depth + 1  # nodes on its trees' longest path (root included): a steady step's pairs
+        self.feature_layers = list(head.config.aux_layer_ids)
         self.cache: RowSlotCache | None = None
         self.slot_pos: torch.Tensor | None = None  # (B, capacity) position held by each slot, -1 if none
         self.next_pos: torch.Tensor | None = None  # (B,) pairs fed so far (the root's position)
@@ -92,10 +95,6 @@ class HeadDrafter(Drafter):
         self._step = (compile_step(self._draft, self.device, cpp_wrapper=self.device.type == "cpu",
                                    name=f"draft{options.depth}_{options.top_k}_{options.total_tokens}")
                       if compile else self._draft)
-
-    @property
-    def feature_layers(self) -> list[int]:
-        return list(self.head.config.aux_layer_ids)
 
     @property
     def kv_shape(self) -> tuple[int, ...]:
@@ -152,11 +151,6 @@ class HeadDrafter(Drafter):
         """A plain step instead of a tree: the pending pairs are fed all the same."""
         with self._drafting():
             self._feed_pending(roots)
-
-    @property
-    def path_width(self) -> int:
-        """Nodes on the longest path of the head's own trees (root included): the pairs a steady step feeds."""
-        return self.opt.depth + 1
 
     def accept(self, accepted: Accepted, features: torch.Tensor) -> None:
         """Row i's pairs: the accepted nodes' true features, each with the token after it (the last: the root),
@@ -219,10 +213,27 @@ class HeadDrafter(Drafter):
         return self.head(tokens, hidden, positions, to_additive(allowed.unsqueeze(1), self.dtype), self.cache)
 
     def _draft(self, roots: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """One drafting step: feed the pending pairs, take depth 1 from each row's last output, expand and select."""
+        """One drafting step: feed the pending pairs, take depth 1 from each row's last output, then tree.expand_tree
+        and select_tree; the frontier is written at the shared scratch slots and attends each row's true pairs plus
+        its own drafted ancestors."""
         last = self._feed_pending(roots)  # (B, 1, H)
         scores, tokens = head_top_k(self.head, last[:, 0], self.opt.top_k)
-        return self._expand_tree(roots, last, scores, tokens)
+        b = roots.shape[0]
+        held = self.slot_pos >= 0  # (B, capacity): each row's true pairs
+        s = self.stable_slots
+
+        def step(d, f, frontier_tokens, parent_hidden, rows):
+            k = frontier_tokens.shape[1]
+            allowed = held[:, None, :].expand(b, k, self.capacity).clone()
+            allowed[:, :, s: s + f + k] = rows
+            self.cache.slots = torch.arange(s + f, s + f + k, device=roots.device).expand(b, k)
+            positions = (self.next_pos - 1 + d)[:, None].expand(b, k)
+            out = self.head(frontier_tokens, parent_hidden, positions, to_additive(allowed.unsqueeze(1), self.dtype),
+                            self.cache)  # (B, k, H)
+            return (out, *head_top_k(self.head, out, k))
+
+        candidates = expand_tree(scores, tokens, last, self.opt.depth, step)
+        return select_tree(roots, *candidates, self.opt.total_tokens, self.opt.depth)
 
     def _feed_pending(self, roots: torch.Tensor) -> torch.Tensor:
         """Feed the pending pairs (the last one's token: each row's root). Returns the last pair's output (B, 1, H)."""
@@ -248,23 +259,3 @@ class HeadDrafter(Drafter):
             inside = ((at >= 0) & (at < out.shape[1]))[:, None, None]
             last = pick if last is None else torch.where(inside, pick, last)
         return last
-
-    def _expand_tree(self, roots, last, scores, tokens) -> tuple[torch.Tensor, ...]:
-        """tree.expand_tree and select_tree; the frontier is written at the shared scratch slots and attends each
-        row's true pairs plus its own drafted ancestors."""
-        b = roots.shape[0]
-        held = self.slot_pos >= 0  # (B, capacity): each row's true pairs
-        s = self.stable_slots
-
-        def step(d, f, frontier_tokens, parent_hidden, rows):
-            k = frontier_tokens.shape[1]
-            allowed = held[:, None, :].expand(b, k, self.capacity).clone()
-            allowed[:, :, s: s + f + k] = rows
-            self.cache.slots = torch.arange(s + f, s + f + k, device=roots.device).expand(b, k)
-            positions = (self.next_pos - 1 + d)[:, None].expand(b, k)
-            out = self.head(frontier_tokens, parent_hidden, positions, to_additive(allowed.unsqueeze(1), self.dtype),
-                            self.cache)  # (B, k, H)
-            return (out, *head_top_k(self.head, out, k))
-
-        candidates = expand_tree(scores, tokens, last, self.opt.depth, step)
-        return select_tree(roots, *candidates, self.opt.total_tokens, self.opt.depth)

@@ -102,7 +102,7 @@ class StreamingSelfDrafter(Drafter):
         positions, valid = self.layout.needed(start, stop)
         if positions.shape[1] == 0:
             return
-        src = torch.where(valid, self.runner.slots_of(positions, index), self.runner.scratch)
+        src = torch.where(valid, self.runner.start[index][:, None] + positions, self.runner.scratch)
         dst = torch.where(valid, self.layout.slots(positions), self.dummy)
         target, draft = self.runner.cache.drafthead_kv, self.cache.drafthead_kv  # (2, layers, B, kv_heads, S, D)
         for i, row in enumerate(rows):

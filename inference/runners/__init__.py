@@ -16,13 +16,11 @@ def make_runner(model: nn.Module, feature_layers: list[int], kind: str = "auto",
                 largest_tree: int = 1):
     """The runner of a causal LM: "static", "eager" or "auto" (static where the architecture allows it, else eager
     with a one-line message). largest_tree (root included) is added as a bucket where the default ones stop short."""
-    if kind in ("auto", "static"):
-        reason = static_cache_supported(model)
-        if reason is None:
-            buckets = DEFAULT_BUCKETS + ((largest_tree,) if largest_tree > DEFAULT_BUCKETS[-1] else ())
-            return StaticRunner(model, feature_layers, compile=compile, buckets=buckets)
-        if kind == "static":
-            raise NotImplementedError(f"the static runner does not support {reason}")
+    reason = static_cache_supported(model)
+    if kind == "static" or (kind == "auto" and reason is None):  # StaticRunner refuses what it cannot serve
+        buckets = DEFAULT_BUCKETS + ((largest_tree,) if largest_tree > DEFAULT_BUCKETS[-1] else ())
+        return StaticRunner(model, feature_layers, compile=compile, buckets=buckets)
+    if kind == "auto":
         print(f"drafthead: {type(model).__name__} has {reason}; using the eager runner (DynamicCache)",
               file=sys.stderr)
     return EagerRunner(model, feature_layers)

@@ -60,8 +60,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
 
 @prefix_attention.register_fake
 def _(query, key, value, mask, scaling, length, rows):
-    b, heads, n, d = query.shape
-    return query.new_empty(b, n, heads, d)
+    return query.new_empty(query.transpose(1, 2).shape)  # (B, n, heads, D)
 
 
 def matmul_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -75,11 +74,9 @@ def matmul_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         attention_mask = query.new_zeros(b, 1, n, key.shape[2])
     if drafthead_rows is None and n <= TRACED_MAX_QUERIES and torch.compiler.is_compiling():
         return attend(query, key, value, attention_mask, scaling), None
-    if drafthead_kv_length is None:
-        drafthead_kv_length = torch.tensor(key.shape[2])
-    if drafthead_rows is None:
-        drafthead_rows = torch.tensor(b)
-    return prefix_attention(query, key, value, attention_mask, scaling, drafthead_kv_length, drafthead_rows), None
+    length = drafthead_kv_length if drafthead_kv_length is not None else torch.tensor(key.shape[2])
+    rows = drafthead_rows if drafthead_rows is not None else torch.tensor(b)
+    return prefix_attention(query, key, value, attention_mask, scaling, length, rows), None
 
 
 AttentionInterface.register(NAME, matmul_attention)

@@ -55,9 +55,7 @@ class EagerRunner:
     def length(self) -> torch.Tensor:
         return torch.tensor([self.cache.get_seq_length()], device=self.device)
 
-    @property
-    def positions(self) -> torch.Tensor:
-        return self.length
+    positions = length  # one row from position 0: its next position is its length
 
     @property
     def start(self) -> torch.Tensor:

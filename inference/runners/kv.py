@@ -52,12 +52,6 @@ class SlotMap:
         return positions[:, :m], keep[:, :m]
 
 
-def write_rows(buffer: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor) -> None:
-    """Write entries (B, M, H, D) into buffer (B, H, S, D) at each row's own slots (B, M), in place."""
-    rows = torch.arange(buffer.shape[0], device=buffer.device).unsqueeze(1)
-    buffer[rows, :, slots] = entries
-
-
 def keep_leading_rows(kv: torch.Tensor, rows: list[int], used: list[slice] | None = None) -> None:
     """Make rows `rows` of a cache tensor kv (2, layers, B, kv_heads, S, D) its leading rows, in that order: row j
     gets what row rows[j] holds (only its slots used[j], when given). Where no moving row is read after it is

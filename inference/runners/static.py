@@ -57,7 +57,7 @@ class StaticRunner:
     outputs the head reads ([] for none)."""
 
     def __init__(self, model: nn.Module, feature_layers: list[int], compile: bool = False,
-                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, prefill_chunk: int = PREFILL_CHUNK):
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS):
         reason = static_cache_supported(model)
         if reason is not None:
             raise NotImplementedError(f"static KV buffers do not support {reason}")
@@ -73,7 +73,6 @@ class StaticRunner:
         self.quantized = has_gguf_weights(model)  # a GGUF target's own blocks (cpu/gguf_weights.py)
         self.release = weakref.finalize(self, release_target, model, self.capture)
         self.buckets = tuple(sorted(buckets))
-        self.prefill_chunk = prefill_chunk
         self.compiled = compile
         self.shapes: set[tuple[int, int, int]] = set()  # (rows, capacity, bucket) of every step built
         self._steps: dict[int, Callable] = {}  # bucket -> the verify step of the current buffers
@@ -123,10 +122,6 @@ class StaticRunner:
         """(keys, values) views of the rows in use of every layer, each (B, kv_heads, capacity, head_dim)."""
         b = self.batch
         return [(layer.keys[:b], layer.values[:b]) for layer in self.cache.layers]
-
-    def slots_of(self, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Buffer slots of committed positions (R, M) of the rows `rows` (R,)."""
-        return self.start[rows][:, None] + positions
 
     @torch.inference_mode()
     def keep_rows(self, rows: torch.Tensor) -> None:
@@ -193,27 +188,22 @@ class StaticRunner:
         self.release()
 
     # --------------------------------------------------------------------------------------------- forward
-    def _with_features(self, forward) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logits, the head's features or None) of `forward()`, run with the feature hooks recording."""
+    def _step_forward(self, input_ids, position_ids, mask, kv_length, rows, keep: int = 0):
+        """One forward over all B rows of the buffers, n tokens each (`mask` additive (B, 1, n, capacity)): a verify
+        step, or a prefill chunk; attention reads the first `kv_length` slots of the leading `rows` rows (0-dim
+        tensors for a verify step; rows None for one row); `keep`: logits of the last `keep` positions only (0: all).
+        Returns (logits (B, n, V), features (B, n, F) or None, argmax (B, n))."""
         if self.capture is not None:
             self.capture.recording = True
-        out = forward()
+        logits = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                            **{self.cache_argument: self.cache}, use_cache=True, logits_to_keep=keep,
+                            **kv_length_kwargs(self.model, kv_length, rows)).logits
         features = None
         if self.capture is not None:
             features = self.capture.stacked(self.feature_layers)
             self.capture.recording = False
             # left empty, so a compiled step finds the same dict at every call (no second graph)
             self.capture.outputs.clear()
-        return out.logits, features
-
-    def _step_forward(self, input_ids, position_ids, mask, kv_length, rows, keep: int = 0):
-        """One forward over all B rows of the buffers, n tokens each (`mask` additive (B, 1, n, capacity)): a verify
-        step, or a prefill chunk; attention reads the first `kv_length` slots of the leading `rows` rows (0-dim
-        tensors for a verify step; rows None for one row); `keep`: logits of the last `keep` positions only (0: all).
-        Returns (logits (B, n, V), features (B, n, F) or None, argmax (B, n))."""
-        logits, features = self._with_features(lambda: self.model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=mask, **{self.cache_argument: self.cache},
-            use_cache=True, logits_to_keep=keep, **kv_length_kwargs(self.model, kv_length, rows)))
         # the greedy choice inside the graph: a fused argmax beats an eager one over the vocabulary
         return logits, features, logits.argmax(dim=-1)
 
@@ -256,8 +246,8 @@ class StaticRunner:
         keys = self.slot_ids
         features = []
         with attention_implementation(self.model, PREFILL_NAME):
-            for c0 in range(0, t, self.prefill_chunk):
-                c1 = min(c0 + self.prefill_chunk, t)
+            for c0 in range(0, t, PREFILL_CHUNK):
+                c1 = min(c0 + PREFILL_CHUNK, t)
                 query = slot[c0:c1]
                 allowed = (keys[None, None, :] <= query[None, :, None]) & (keys[None, None, :] >= start[:, None, None])
                 allowed |= keys[None, None, :] == query[None, :, None]  # padding attends itself (never all-masked)
