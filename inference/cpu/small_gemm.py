@@ -53,8 +53,7 @@ def eligible(module: nn.Module, float32: bool = False) -> bool:
     n, k = module.weight.shape
     if module.weight.dtype == torch.bfloat16:
         return n % BLOCK == 0 and k % 2 == 0 and kernels_available()
-    return (float32 and module.weight.dtype == torch.float32 and n % FLOAT_BLOCK == 0
-            and avx2_kernels_available())
+    return float32 and module.weight.dtype == torch.float32 and n % FLOAT_BLOCK == 0 and avx2_kernels_available()
 
 
 @contextlib.contextmanager

@@ -142,8 +142,7 @@ class StreamingSelfDrafter(Drafter):
                 logits, greedy = self._step(tokens, positions + d, mask, self.kv_length, rows)
             if params.do_sample:
                 if self.vocab is not None:  # the draft's own law: zero outside its vocabulary
-                    logits = logits.new_full((full, self.vocab_size), float("-inf")).index_copy_(1, self.vocab,
-                                                                                                   logits)
+                    logits = logits.new_full((full, self.vocab_size), float("-inf")).index_copy_(1, self.vocab, logits)
                 q = target_probs(logits, params)  # (B, V)
                 tokens = torch.multinomial(q, 1, generator=generator)
                 qs.append(q[:b])

@@ -21,8 +21,7 @@ def make_runner(model: nn.Module, feature_layers: list[int], kind: str = "auto",
         buckets = DEFAULT_BUCKETS + ((largest_tree,) if largest_tree > DEFAULT_BUCKETS[-1] else ())
         return StaticRunner(model, feature_layers, compile=compile, buckets=buckets)
     if kind == "auto":
-        print(f"drafthead: {type(model).__name__} has {reason}; using the eager runner (DynamicCache)",
-              file=sys.stderr)
+        print(f"drafthead: {type(model).__name__} has {reason}; using the eager runner (DynamicCache)", file=sys.stderr)
     return EagerRunner(model, feature_layers)
 
 

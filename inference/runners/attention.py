@@ -33,8 +33,7 @@ def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     full, heads, n, d = query.shape
     if alive < full:
         out = query.new_zeros(full, n, heads, d)
-        out[:alive] = prefix_attention(query[:alive], key[:alive], value[:alive], mask[:alive], scaling, length,
-                                       rows)
+        out[:alive] = prefix_attention(query[:alive], key[:alive], value[:alive], mask[:alive], scaling, length, rows)
         return out
     # a prefix is not contiguous (matmul copies it): slice only where the whole buffer's extra scores cost more
     if n * (key.shape[2] - used) > used:
@@ -134,8 +133,7 @@ def prefix_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
 AttentionInterface.register(PREFILL_NAME, prefix_sdpa_attention)
 
 
-def kv_length_kwargs(model: nn.Module, kv_length: int | torch.Tensor | None,
-                     rows: torch.Tensor | None = None) -> dict:
+def kv_length_kwargs(model: nn.Module, kv_length: int | torch.Tensor | None, rows: torch.Tensor | None = None) -> dict:
     """The forward kwargs telling this project's attention kernels the used slots of a buffer and the leading rows
     in use (empty when `model` dispatches attention elsewhere; a None entry is left out)."""
     implementation = model.config._attn_implementation
