@@ -154,6 +154,8 @@ class SpeculativeGenerator:
             self._runner = self._make_runner(head.config.aux_layer_ids)
         self.tuned = tuned_tree(self.target, head, self.tokenizer, self._runner, self.compile,
                                 lookup_tokens if hybrid is None else 0, type(self), draft_weights)
+        if isinstance(self._runner, StaticRunner):
+            self._runner.min_capacity = self.tuned.capacity
         if hybrid is None and self.tuned.lookup_tokens:
             hybrid, lookup_tokens = True, self.tuned.lookup_tokens
         return self.tuned.tree or "none", bool(hybrid), lookup_tokens

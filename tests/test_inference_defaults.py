@@ -63,6 +63,10 @@ def test_tree_auto_tunes_once_then_reads_the_cache(folders, tuning_cache, capsys
     second = SpeculativeGenerator.from_pretrained(target, head, tree="auto", hybrid=False, compile=False)
     assert len(calls) == 1 and "tuning" not in capsys.readouterr().err
     assert second.options == first.options and second.plain == first.plain
+    # a short request decodes on buffers as large as the tuning's, whose compiled steps inductor has cached
+    assert saved["capacity"] == first.runner.capacity > 0
+    second.generate(prompts(1, 8, seed=2)[0], max_new_tokens=4)
+    assert second.runner.capacity == saved["capacity"]
     ids = prompts(1, 200, seed=1)[0]
     assert torch.equal(second.generate(ids, max_new_tokens=8).sequences,
                        first.generate(ids, max_new_tokens=8).sequences)

@@ -78,6 +78,7 @@ class StaticRunner:
         self._steps: dict[int, Callable] = {}  # bucket -> the verify step of the current buffers
         self.cache: StaticCache | None = None
         self.capacity = 0
+        self.min_capacity = 0  # tree="auto": the slots the tuning compiled its steps for (tuning/auto.py)
         self.slot_ids = torch.zeros(0, dtype=torch.long, device=self.device)  # arange(capacity)
         self.start = self.length = torch.zeros(0, dtype=torch.long, device=self.device)
         self.lengths: list[int] = []  # self.length on the host
@@ -87,7 +88,7 @@ class StaticRunner:
     def reset(self, batch: int, length: int) -> None:
         """Buffers for `batch` rows of up to `length` slots each (prompt with padding + new tokens; room for the
         largest bucket is added); reused when they already fit."""
-        capacity = buffer_capacity(length + self.buckets[-1] + 1)  # + the scratch slot
+        capacity = max(buffer_capacity(length + self.buckets[-1] + 1), self.min_capacity)  # + the scratch slot
         if self.cache is None or self.rows != batch or self.capacity < capacity:  # new buffers, new steps
             for step in self._steps.values():
                 release_step(step)

@@ -48,12 +48,15 @@ FORMAT = 3  # bumped when the cached file's meaning changes (1: other calibratio
 @dataclasses.dataclass
 class TunedTree:
     """What the tuning chose: the tree (None: plain decoding measured faster), the lookup branch's tokens (0: without
-    it; with no tree, prompt lookup alone), and the tokens/s it measured (the engine's slowdown warning's reference)."""
+    it; with no tree, prompt lookup alone), the tokens/s it measured (the engine's slowdown warning's reference),
+    and the KV buffer slots its steps were compiled for: a later process's runner starts that large, so that its
+    first steps are the graphs inductor cached then."""
 
     tree: TreeOptions | None
     lookup_tokens: int
     plain_tokens_per_s: float
     tokens_per_s: float
+    capacity: int = 0
 
 
 def machine(device: torch.device) -> str:
@@ -103,7 +106,7 @@ def read_cached(path: Path, key: dict) -> TunedTree | None:
             return None
         tree = None if data["tree"] == "none" else TreeOptions(**data["tree"])
         return TunedTree(tree, int(data["lookup_tokens"]), float(data["plain_tokens_per_s"]),
-                         float(data["tokens_per_s"]))
+                         float(data["tokens_per_s"]), int(data.get("capacity", 0)))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -163,7 +166,8 @@ def tuned_tree(model: nn.Module, head: DraftHead, tokenizer: Any, runner: Any, c
             chosen = report["predicted"]["tokens_per_s"]
         else:  # prompt lookup alone: its own rate; plain decoding: none
             chosen = branch["tokens_per_s"]["with_lookup"] if lookup else 0.0
-        cached = TunedTree(options, lookup, report["predicted_plain"]["tokens_per_s"], chosen)
+        cached = TunedTree(options, lookup, report["predicted_plain"]["tokens_per_s"], chosen,
+                           getattr(runner, "capacity", 0))
         tree = dataclasses.asdict(options) if options else "none"
         atomic_write_json(path, {"key": key, **dataclasses.asdict(cached), "tree": tree,
                                 "tuning_s": time.perf_counter() - start, "estimate_s": estimate, "report": report})
