@@ -207,3 +207,18 @@ def test_rows_that_stopped_cost_the_batch_runner_no_gemm_work():
     after_stops = verify([0, 1, 2, 3], keep=[0, 2])
     assert seen[-1].shape[0] == 4 and seen[-1][:2].any() and not seen[-1][2:].any()
     torch.testing.assert_close(after_stops, verify([0, 2], keep=None), rtol=1e-5, atol=1e-5)
+
+
+def test_copies_made_under_inference_mode_are_the_tensors_made_outside_it():
+    """Inductor's cache key for a compiled step records whether each constant was made under inference mode: the
+    packed and int8 copies a tuning process makes there must match a later process's, made outside it."""
+    copies = {}
+    for inference in (False, True):
+        model = tiny_model("llama", vocab_size=320)
+        with torch.inference_mode(inference):
+            use_small_row_kernel(model, float32=True)
+            use_int8_weights(model)
+        copies[inference] = [(name, b.is_inference(), b.requires_grad) for name, b in model.named_buffers()
+                             if name.endswith(("packed", "int8_weight", "int8_columns"))]
+    assert len(copies[True]) == 3 * (8 * 7 + 1)
+    assert copies[True] == copies[False]

@@ -142,6 +142,7 @@ def eligible(module: nn.Module) -> bool:
             and module.out_features % FLOAT_BLOCK == 0 and module.in_features % GROUP == 0)
 
 
+@torch.inference_mode(False)  # as small_gemm.use_small_row_kernel's copies
 @torch.no_grad()
 def use_gguf_weights(model: nn.Module, path: str | Path) -> int:
     """Attach to each eligible linear of `model` (loaded from the GGUF file at `path`) the repacked blocks (Q8_0, Q6_K,

@@ -192,6 +192,7 @@ def _sibling_groups(model: nn.Module, linears: list[nn.Linear]) -> list[list[nn.
     return list(groups.values())
 
 
+@torch.inference_mode(False)  # as use_small_row_kernel's copies
 @torch.no_grad()
 def use_int8_weights(model: nn.Module) -> int:
     """Give every linear of `model` whose shape allows it (out_features a multiple of 32, in_features of 16) an
@@ -220,6 +221,10 @@ def use_int8_weights(model: nn.Module) -> int:
     return len(linears)
 
 
+# The copies are constants of the compiled steps, and inductor's cache key for a graph records whether each one was
+# made under inference mode: made outside it whatever the caller's mode, they key alike in every process (a tuning
+# process builds its drafters under inference mode, a later one does not).
+@torch.inference_mode(False)
 @torch.no_grad()
 def use_small_row_kernel(model: nn.Module, float32: bool = False) -> int:
     """Turn the model's eligible linears into SmallRowLinear in place (parameters, ties and state dict
