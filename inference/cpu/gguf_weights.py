@@ -150,6 +150,8 @@ def use_gguf_weights(model: nn.Module, path: str | Path) -> int:
     many linears have them; 0 on a CPU without AVX2 (nothing changes there)."""
     import gguf
 
+    from drafthead.export_gguf import read_gguf
+
     if not avx2_kernels_available():
         return 0
     linears = [m for m in model.modules() if eligible(m)]
@@ -160,12 +162,13 @@ def use_gguf_weights(model: nn.Module, path: str | Path) -> int:
         wanted.setdefault(tuple(module.weight.shape), []).append(module)
     packers = _packers()
     attached = 0
-    for tensor in gguf.GGUFReader(str(path)).tensors:
-        candidates = wanted.get(tuple(int(n) for n in reversed(tensor.shape)), [])  # GGUF shapes run (K, N)
-        if tensor.tensor_type not in packers or not candidates:
+    for shape, kind, raw in read_gguf(path)[1].values():
+        qtype = gguf.GGMLQuantizationType[kind]
+        candidates = wanted.get(tuple(reversed(shape)), [])  # GGUF shapes run (K, N)
+        if qtype not in packers or not candidates:
             continue
-        blocks = np.asarray(tensor.data)
-        values = gguf.quants.dequantize(blocks, tensor.tensor_type)  # (N, K) float32, as transformers loaded it
+        blocks = np.frombuffer(raw, dtype=np.uint8).reshape(shape[1], -1)  # (N, K / block · bytes per block)
+        values = gguf.quants.dequantize(blocks, qtype)  # (N, K) float32, as transformers loaded it
         where: dict[bytes, int] = {}
         for i, row in enumerate(values):
             where.setdefault(row.tobytes(), i)
@@ -175,7 +178,7 @@ def use_gguf_weights(model: nn.Module, path: str | Path) -> int:
             rows = [where.get(row.tobytes()) for row in module.weight.numpy()]
             if any(r is None for r in rows):  # not this tensor's weights (or not an exact dequantization)
                 continue
-            packed, params = pack_gguf_tensor(tensor.tensor_type, blocks, np.array(rows))
+            packed, params = pack_gguf_tensor(qtype, blocks, np.array(rows))
             module.register_buffer("qpacked", packed, persistent=False)
             module.register_buffer("qparams", params, persistent=False)
             candidates.remove(module)  # matched: later tensors of this shape are not dequantized for it
