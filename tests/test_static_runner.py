@@ -226,6 +226,29 @@ def test_warmup_builds_only_the_buckets_a_drafter_can_use():
     assert sorted(SpeculativeGenerator(target, head, tree="none", hybrid=True, runner=runner).warmup(32)) == [1, 4, 8, 16]
 
 
+def test_a_rows_buckets_share_one_compiled_graph_on_a_cpu():
+    """On a CPU, one row's verify buckets past the first (their linears on the small-row kernel) share one compiled
+    graph with the tree's size dynamic: one compile instead of one per bucket, and trees of every size then verify
+    through it losslessly, without another compile."""
+    from torch._dynamo.utils import counters
+
+    target = near_bigram_target("llama", num_layers=1)
+    # (up to 16 tokens: past them the attention kernel gives way, another graph)
+    runner = StaticRunner(target, [], compile=True, buckets=(1, 8, 12, 16))
+    gen = SpeculativeGenerator(target, None, tree="none", hybrid=True, lookup_tokens=15, runner=runner)
+    graphs = counters["stats"]["unique_graphs"]
+    assert sorted(gen.warmup(96)) == [1, 8, 12, 16]
+    assert counters["stats"]["unique_graphs"] == graphs + 2
+    sizes = set()
+    base = prompts(1, 320, seed=5)[0]
+    repeated = torch.cat([target.generate(base, do_sample=False, max_new_tokens=24), base], dim=1)  # lookups hit
+    for ids in (base, repeated):
+        out = gen.generate(ids, max_new_tokens=24)
+        assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_new_tokens=24)), ids.tolist()
+        sizes.update(out.stats.accept_lengths)
+    assert max(sizes) > 1 and counters["stats"]["unique_graphs"] == graphs + 2
+
+
 @pytest.mark.slow
 def test_compiled_drafting_step_is_lossless_without_recompiles():
     """The head drafter's steady step (feed the accepted pairs, expand every depth, select) as one compiled graph

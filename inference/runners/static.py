@@ -7,7 +7,7 @@ single tensor):
     [ left padding | committed tokens: slots start_i .. length_i-1 | hole | tree: W .. W+n-1 | ... | scratch ]
 
 verify() writes every row's tree at W = max_i length_i (per-row positions and 4D mask), padded to a bucket: one
-compiled graph per bucket and buffer shape. commit() copies each row's accepted nodes down to its length, so the
+compiled graph per bucket and buffer shape (on a CPU, one row's buckets on the small-row kernel share one). commit() copies each row's accepted nodes down to its length, so the
 hole never outlives a step. The rows in use are always the leading ones; the lengths are mirrored on the host.
 """
 
@@ -208,19 +208,23 @@ class StaticRunner:
         # the greedy choice inside the graph: a fused argmax beats an eager one over the vocabulary
         return logits, features, logits.argmax(dim=-1)
 
-    def _step(self, size: int) -> Callable:
+    def _step(self, size: int) -> tuple[Callable, bool]:
         """The verify step of a `size`-token bucket: eager, or its compiled step for the current buffers (built on
-        first use)."""
+        first use); and whether that step is the one CPU graph a single row's buckets past the first share where
+        their linears run small_gemm.py's kernel (its tree size dynamic: one compile instead of one per bucket, as
+        fast: docs/results/shared_verify_graph_spr_amx_2026-12-05.json; a batch verifies one size)."""
         if not self.compiled:
-            return self._step_forward
-        if size not in self._steps:
+            return self._step_forward, False
+        low, high = self.kernel_rows
+        small = self.rows * size <= SMALL_GEMM_ROWS and not low <= self.rows * size <= high
+        shared = self.rows == 1 and size > 1 and not small and self.device.type == "cpu"
+        key = "shared" if shared else size
+        if key not in self._steps:
             self.shapes.add((self.rows, self.capacity, size))
-            low, high = self.kernel_rows
-            small = self.rows * size <= SMALL_GEMM_ROWS and not low <= self.rows * size <= high
             # the buffers' guards are skipped (`unguarded`): new buffers come with new steps (reset)
-            self._steps[size] = compile_step(self._step_forward, self.device, small_gemm=small,
-                                             name=f"verify{self.rows}x{size}", unguarded=("self.cache",))
-        return self._steps[size]
+            self._steps[key] = compile_step(self._step_forward, self.device, small_gemm=small, dynamic=shared,
+                                            name=f"verify{self.rows}x{key}", unguarded=("self.cache",))
+        return self._steps[key], shared
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor,
@@ -291,9 +295,13 @@ class StaticRunner:
             tokens = tokens.contiguous()
         set_write_slot(self.cache, w)
         mask = to_additive(allowed.unsqueeze(1), self.dtype)
+        step, shared = self._step(size)
+        if shared:  # the tree's size is the graph's one symbolic dimension
+            for tensor, dim in ((tokens, 1), (positions, 1), (mask, 2)):
+                torch._dynamo.mark_dynamic(tensor, dim)
         with live_entries(b) as rows:  # rows that stopped cost neither attention nor GEMM work
-            logits, features, greedy = self._step(size)(tokens, positions, mask, torch.tensor(w + size),
-                                                        rows if self.rows > 1 else None)
+            logits, features, greedy = step(tokens, positions, mask, torch.tensor(w + size),
+                                            rows if self.rows > 1 else None)
         self.tree_at = w
         return logits[:b, :n], (features[:b, :n] if features is not None else None), greedy[:b, :n]
 
