@@ -34,7 +34,7 @@ def compile_setting(compile: bool | str, device: torch.device, tuned: bool = Fal
 
 
 def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str = "", cpp_wrapper: bool = False,
-                 unguarded: tuple[str, ...] = (), dynamic: bool = False):
+                 unguarded: tuple[str, ...] = (), dynamic: dict[int, int] | None = None):
     """torch.compile for a fixed-shape decoding step: CUDA graphs on CUDA; on CPU inductor with frozen weights and
     linears sharing an input concatenated. Run the step inside scoped_settings (a runner's session).
     `small_gemm` (CPU, a few rows whose linears do not run small_gemm.py's kernel): inductor's own C++ GEMMs,
@@ -44,7 +44,7 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
     `name` tells the compiled copies apart in profiles.
     `unguarded`: attribute paths of `fn`'s self (e.g. "self.cache") whose guards are skipped: objects the caller
     never swaps while the step lives, or whose step it releases (release_step) when it does.
-    `dynamic` (CPU): the dimensions the caller marks dynamic (mark_dynamic) stay symbolic: one graph for all their
+    `dynamic` (CPU): {argument index: dimension} kept symbolic (marked at every call): one graph for all their
     sizes; every other dimension is fixed."""
 
     # the model is frozen and each runner compiles its own code (own_code): skip its parameters' guards
@@ -68,6 +68,13 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
         if small_gemm:
             options.update(max_autotune=True, max_autotune_gemm_backends="CPP", autotune_fallback_to_aten=True)
         step = torch.compile(fn, dynamic=None if dynamic else False, options=options)
+        if dynamic:
+            compiled = step
+
+            def step(*args):
+                for i, dim in dynamic.items():
+                    torch._dynamo.mark_dynamic(args[i], dim)
+                return compiled(*args)
     step.drafthead_code = fn.__func__.__code__  # (release_step)
     return step
 

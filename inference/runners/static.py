@@ -75,8 +75,8 @@ class StaticRunner:
         self.release = weakref.finalize(self, release_target, model, self.capture)
         self.buckets = tuple(sorted(buckets))
         self.compiled = compile
-        self.shapes: set[tuple[int, int, int]] = set()  # (rows, capacity, bucket) of every step built
-        self._steps: dict[int, Callable] = {}  # bucket -> the verify step of the current buffers
+        self.shapes: set[tuple[int, int, int]] = set()  # (rows, capacity, bucket) of every step used
+        self._steps: dict[int | str, Callable] = {}  # bucket (or "shared") -> a verify step of the current buffers
         self.cache: StaticCache | None = None
         self.capacity = 0
         self.min_capacity = 0  # tree="auto": the slots the tuning compiled its steps for (tuning/auto.py)
@@ -209,23 +209,26 @@ class StaticRunner:
         # the greedy choice inside the graph: a fused argmax beats an eager one over the vocabulary
         return logits, features, logits.argmax(dim=-1)
 
-    def _step(self, size: int) -> tuple[Callable, bool]:
+    def _step(self, size: int) -> Callable:
         """The verify step of a `size`-token bucket: eager, or its compiled step for the current buffers (built on
-        first use); and whether that step is the one CPU graph a single row's buckets past the first share where
-        their linears run small_gemm.py's kernel (its tree size dynamic: one compile instead of one per bucket, as
-        fast: docs/results/shared_verify_graph_spr_amx_2026-12-05.json; a batch verifies one size)."""
+        first use). On a CPU, one row's buckets past the first whose linears run small_gemm.py's kernel share one
+        step, the tree's size symbolic in it: one compile instead of one per bucket, as fast
+        (docs/results/shared_verify_graph.json; a batch verifies one size)."""
         if not self.compiled:
-            return self._step_forward, False
-        low, high = self.kernel_rows
-        small = self.rows * size <= SMALL_GEMM_ROWS and not low <= self.rows * size <= high
-        shared = self.rows == 1 and size > 1 and not small and self.device.type == "cpu"
-        key = "shared" if shared else size
-        if key not in self._steps:
+            return self._step_forward
+        if size not in self._steps:
             self.shapes.add((self.rows, self.capacity, size))
-            # the buffers' guards are skipped (`unguarded`): new buffers come with new steps (reset)
-            self._steps[key] = compile_step(self._step_forward, self.device, small_gemm=small, dynamic=shared,
-                                            name=f"verify{self.rows}x{key}", unguarded=("self.cache",))
-        return self._steps[key], shared
+            low, high = self.kernel_rows
+            small = self.rows * size <= SMALL_GEMM_ROWS and not low <= self.rows * size <= high
+            shared = self.rows == 1 and size > 1 and not small and self.device.type == "cpu"
+            key = "shared" if shared else size
+            if key not in self._steps:  # shared: tokens, positions and mask have the tree's size in dims 1, 1, 2
+                # the buffers' guards are skipped (`unguarded`): new buffers come with new steps (reset)
+                self._steps[key] = compile_step(self._step_forward, self.device, small_gemm=small,
+                                                dynamic={0: 1, 1: 1, 2: 2} if shared else None,
+                                                name=f"verify{self.rows}x{key}", unguarded=("self.cache",))
+            self._steps[size] = self._steps[key]
+        return self._steps[size]
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor,
@@ -296,13 +299,9 @@ class StaticRunner:
             tokens = tokens.contiguous()
         set_write_slot(self.cache, w)
         mask = to_additive(allowed.unsqueeze(1), self.dtype)
-        step, shared = self._step(size)
-        if shared:  # the tree's size is the graph's one symbolic dimension
-            for tensor, dim in ((tokens, 1), (positions, 1), (mask, 2)):
-                torch._dynamo.mark_dynamic(tensor, dim)
         with live_entries(b) as rows:  # rows that stopped cost neither attention nor GEMM work
-            logits, features, greedy = step(tokens, positions, mask, torch.tensor(w + size),
-                                            rows if self.rows > 1 else None)
+            logits, features, greedy = self._step(size)(tokens, positions, mask, torch.tensor(w + size),
+                                                        rows if self.rows > 1 else None)
         self.tree_at = w
         return logits[:b, :n], (features[:b, :n] if features is not None else None), greedy[:b, :n]
 
