@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from .drafter import Drafter
 from .sampling import SamplingParams, pick_next, target_probs
@@ -34,6 +35,34 @@ class Request:
     logits: torch.Tensor
     features: torch.Tensor | None
     stopper: Any
+
+
+def left_pad(prompts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-D prompts -> left-padded input_ids (B, T) and attention_mask (B, T), on the prompts' device."""
+    ids = pad_sequence([p.long() for p in prompts], batch_first=True, padding_side="left")
+    mask = pad_sequence([torch.ones_like(p, dtype=torch.long) for p in prompts], batch_first=True, padding_side="left")
+    return ids, mask
+
+
+def prefilled_requests(runner, prompts: Sequence[torch.Tensor], group: int, stopper: Callable[[], Any],
+                       stats: Any = None) -> Iterator[Request]:
+    """A queue of prompts for continuous batching: each prompt as a waiting Request, prefilled `group` at a time
+    when the decoder asks for the next one, on a second `runner` (a StaticRunner reset for each group), so the
+    queue's KV is never in memory at once; counted in `stats` if given (prefill_time_s, target_forwards)."""
+    for g in range(0, len(prompts), group):
+        part = prompts[g: g + group]
+        t0 = time.perf_counter()
+        ids, mask = left_pad(part)
+        runner.reset(len(part), ids.shape[1])
+        with runner.session():
+            logits, features = runner.prefill(ids, mask)
+        rows = runner.export_rows()
+        if stats is not None:
+            stats.prefill_time_s += time.perf_counter() - t0
+            stats.target_forwards += 1
+        for i, (prompt, row) in enumerate(zip(part, rows)):
+            feats = None if features is None else features[i, ids.shape[1] - len(prompt):]
+            yield Request(prompt, row["kv"], logits[i], feats, stopper())
 
 
 def decode(runner, drafter: Drafter, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,

@@ -31,8 +31,7 @@ from drafthead.format import CONFIG_NAME, is_head_config
 from drafthead.hardware import auto_dtype, synchronizer
 from drafthead.utils import dtype_name, parse_dtype, place_module
 
-from .batch_queue import left_pad, prefilled_requests
-from .decode import decode
+from .decode import decode, left_pad, prefilled_requests
 from .tuning.draft_vocab import assistant_token_counts, default_corpus, frequent_tokens
 from .drafter import Drafter, PlainDrafter
 from .drafters.draft_model import DraftModelDrafter, load_draft_model
@@ -105,8 +104,6 @@ class SpeculativeGenerator:
             raise ValueError(f"draft_kv must be 'full' or 'streaming', got {draft_kv!r}")
         if tree == "auto" and isinstance(draft, DraftHead):
             tree, hybrid, lookup_tokens = self._tune(draft, hybrid, lookup_tokens, draft_weights)
-        elif tree == "auto":
-            tree = "cpu"  # the tree of a head only; other drafters take no tree
         if tree == "none":  # plain decoding, whatever the draft (with hybrid=True: prompt lookup alone)
             self.drafter = PlainDrafter()
         elif isinstance(draft, DraftHead):
@@ -368,9 +365,9 @@ class SpeculativeGenerator:
     @torch.inference_mode()
     def generate_many(self, prompts: list[torch.Tensor] | list[list[int]], max_new_tokens: int | None = None,
                       batch_size: int = 8, prefill_group: int = 8, **settings: Any) -> QueueOutput:
-        """Generate for a queue of prompts (each 1-D token ids, any lengths) with continuous batching
-        (batch_queue.py): `batch_size` rows decode at once and a finished row takes the next prompt, prefilled
-        `prefill_group` at a time. Same outputs as generate() on each prompt alone (greedy: token for token in
+        """Generate for a queue of prompts (each 1-D token ids, any lengths) with continuous batching: `batch_size`
+        rows decode at once and a finished row takes the next prompt, prefilled `prefill_group` at a time
+        (decode.prefilled_requests). Same outputs as generate() on each prompt alone (greedy: token for token in
         fp32); the other settings (temperature, top_p, top_k, do_sample, eos_token_id, stop_strings,
         generation_config, seed, generator, tokenizer) as in generate(). Returns each prompt's new tokens in the
         prompts' order."""

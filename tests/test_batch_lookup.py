@@ -12,6 +12,7 @@ from test_batch import assert_rows_match, left_padded, row_prompts
 from test_inference_greedy import TREES, near_bigram_target, random_head
 
 from inference import SpeculativeGenerator
+from inference.drafter import Drafter
 from inference.drafters.lookup import LookupBranch, NgramIndex
 from inference.tree import DraftTree
 from inference.drafters.self_draft import StreamingSelfDrafter
@@ -46,7 +47,7 @@ def test_ngram_index_finds_what_a_scan_finds():
                     index.extend([text[end]])
 
 
-class FixedChain:
+class FixedChain(Drafter):
     """A stand-in batched drafter that proposes the same chain under every root (enough to exercise the merge)."""
 
     name, tree_size, feature_layers, origin_names = "fixed", 4, [], ("fixed",)

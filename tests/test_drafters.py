@@ -14,6 +14,7 @@ from tiny import tiny_model, tiny_tokenizer
 
 import inference.verify
 from inference import SamplingParams, SpeculativeGenerator, TreeOptions
+from inference.drafter import Drafter
 from inference.drafters.draft_model import DraftModelDrafter, TokenizerMismatchError, check_same_tokenizer
 from inference.drafters.lookup import LookupBranch, NgramIndex, prompt_lookup
 from inference.sampling import target_probs
@@ -66,10 +67,11 @@ def test_prompt_lookup_from_pretrained(tiny_target_dir):
 
 
 # ------------------------------------------------------------------------------------------------------ hybrid
-class FixedTrees:
-    """A stand-in drafter whose trees the test gives (LookupBranch only reads its name, size and origin names)."""
+class FixedTrees(Drafter):
+    """A stand-in drafter whose trees the test gives (LookupBranch reads its name, sizes, origin names, feature
+    layers and session)."""
 
-    name, tree_size, origin_names = "eagle", 4, ("head",)
+    name, tree_size, feature_layers, origin_names = "eagle", 4, [], ("head",)
 
 
 def test_lookup_branch_shares_nodes_appends_the_rest_and_pads_rows():

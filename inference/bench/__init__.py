@@ -115,12 +115,8 @@ def spec_method(gen: SpeculativeGenerator, max_new_tokens: int, temperature: flo
 def summarise(method: Method, plain_tps: float | None) -> dict:
     rows, depth = method.rows, method.depth
     tps = [r["tokens_per_s"] for r in rows]
-    summary = {
-        "tokens_per_s": statistics.fmean(tps),
-        "tokens_per_s_median": statistics.median(tps),
-        "new_tokens": sum(r["new_tokens"] for r in rows),
-        "wall_s": sum(r["wall_s"] for r in rows),
-    }
+    summary = {"tokens_per_s": statistics.fmean(tps), "tokens_per_s_median": statistics.median(tps),
+               "new_tokens": sum(r["new_tokens"] for r in rows), "wall_s": sum(r["wall_s"] for r in rows)}
     if plain_tps:
         summary["speedup"] = summary["tokens_per_s"] / plain_tps
     stats = [r["stats"] for r in rows if r.get("stats")]
@@ -140,11 +136,8 @@ def summarise(method: Method, plain_tps: float | None) -> dict:
             summary["accepted_per_step_by_drafter"] = {k: accepted[k] / steps for k in drafted}
         draft_s, verify_s, prefill_s, total_s = (sum(s[f"{part}_time_s"] for s in stats)
                                                   for part in ("draft", "verify", "prefill", "total"))
-        summary["ms_per_step"] = {
-            "draft": 1000 * draft_s / steps,
-            "verify": 1000 * verify_s / steps,
-            "overhead": 1000 * (total_s - prefill_s - draft_s - verify_s) / steps,
-        }
+        summary["ms_per_step"] = {"draft": 1000 * draft_s / steps, "verify": 1000 * verify_s / steps,
+                                  "overhead": 1000 * (total_s - prefill_s - draft_s - verify_s) / steps}
         summary["prefill_ms_per_prompt"] = 1000 * prefill_s / max(len(stats), 1)
     return summary
 
@@ -456,18 +449,17 @@ def plot(result: dict, path: Path) -> None:
 
     methods = result["methods"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    names = list(methods)
-    ax1.bar(names, [methods[n].get("speedup", 1.0) for n in names], color="tab:blue")
+    ax1.bar(list(methods), [s.get("speedup", 1.0) for s in methods.values()], color="tab:blue")
     ax1.axhline(1.0, color="grey", lw=0.8)
     ax1.set_ylabel("speedup vs plain generate")
     ax1.set_title(f"{result['prompts']} prompts, {result['dtype']}, T={result['temperature']}")
     plt.setp(ax1.get_xticklabels(), rotation=30, ha="right")
-    for name in names:
-        hist = methods[name].get("accept_histogram")
+    for name, s in methods.items():
+        hist = s.get("accept_histogram")
         if hist:
             total = sum(hist.values())
             keys = sorted(int(k) for k in hist)
-            ax2.plot(keys, [hist[k] / total for k in keys], marker="o", label=f"{name} (τ={methods[name]['tau']:.2f})")
+            ax2.plot(keys, [hist[k] / total for k in keys], marker="o", label=f"{name} (τ={s['tau']:.2f})")
     ax2.set_xlabel("tokens per verification (accepted + bonus)")
     ax2.set_ylabel("share of steps")
     ax2.legend()

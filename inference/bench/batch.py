@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -24,8 +25,7 @@ from drafthead import load_head
 from drafthead.hardware import cpu_flags, resolve_device, resolve_dtype
 from drafthead.utils import atomic_write_bytes, place_module
 
-from ..batch_queue import prefilled_requests
-from ..decode import Request
+from ..decode import Request, prefilled_requests
 from ..decode import decode as decode_rows
 from ..drafter import PlainDrafter
 from ..drafters.eagle import HeadDrafter
@@ -96,39 +96,38 @@ def make_drafters(args, model, head, tokenizer=None) -> dict:
             if name.removesuffix(AUTO) in drafters}
 
 
-def prefill_rows(runner: StaticRunner, prompts: list[list[int]], group: int = 4) -> tuple[list[dict], float]:
-    """Prefill every prompt once, `group` rows at a time: (rows of KV, last logits and features, seconds)."""
+def prefill_rows(runner: StaticRunner, prompts: list[list[int]], group: int = 4) -> tuple[list[Request], float]:
+    """Prefill every prompt once, `group` rows at a time: (a Request per prompt, its stopper None; seconds)."""
     device = next(runner.model.parameters()).device
     t0 = time.perf_counter()
     with torch.inference_mode():
-        requests = prefilled_requests(runner, [torch.tensor(p, device=device) for p in prompts], group, lambda: None)
-        rows = [dict(ids=r.ids, kv=r.kv, logits=r.logits, features=r.features) for r in requests]
+        rows = list(prefilled_requests(runner, [torch.tensor(p, device=device) for p in prompts], group, lambda: None))
     return rows, time.perf_counter() - t0
 
 
-def run_group(runner: StaticRunner, drafters: dict, rows: list[dict], max_new: int, repeats: int = 1,
-              waiting: list[dict] = ()) -> dict:
-    """Decode one group of prefilled rows with every drafter, each from a fresh copy of their KV, `repeats` times in
-    turn; a method's figures are its median run's. `waiting`: more rows, each taking the batch row that frees up
-    first (continuous batching; its admission counts as decode time)."""
-    ids = torch.stack([row["ids"] for row in rows])
+def run_group(runner: StaticRunner, drafters: dict, rows: list[Request], max_new: int, repeats: int = 1,
+              waiting: list[Request] = ()) -> dict:
+    """Decode one group of prefilled rows (prefill_rows) with every drafter, each from a fresh copy of their KV,
+    `repeats` times in turn; a method's figures are its median run's. `waiting`: more rows, each taking the batch row
+    that frees up first (continuous batching; its admission counts as decode time)."""
+    ids = torch.stack([row.ids for row in rows])
     b = ids.shape[0]
     mask = torch.ones_like(ids)
     params = SamplingParams()
-    longest = max(len(row["ids"]) for row in [*rows, *waiting])
+    longest = max(len(row.ids) for row in [*rows, *waiting])
     length = longest + max_new + max(d.tree_size for d in drafters.values())
-    features = torch.stack([row["features"] for row in rows]) if rows[0]["features"] is not None else None
-    prefilled = (torch.stack([row["logits"] for row in rows]), features)
+    features = torch.stack([row.features for row in rows]) if rows[0].features is not None else None
+    prefilled = (torch.stack([row.logits for row in rows]), features)
     out = {}
 
     def decode(name, drafter, new_tokens: int) -> tuple[list[list[int]], GenerationStats, float]:
         runner.reset(b, length)  # the same buffers, the group's prefilled rows copied in afresh
         for i, row in enumerate(rows):
-            runner.admit(i, row["kv"])
+            runner.admit(i, row.kv)
         stats = GenerationStats()
         stop = lambda: Stopper(set(), [], None, new_tokens)  # noqa: E731
         stoppers = [stop() for _ in range(b)]
-        queue = (Request(row["ids"], row["kv"], row["logits"], row["features"], stop()) for row in waiting)
+        queue = (dataclasses.replace(row, stopper=stop()) for row in waiting)
         t0 = time.perf_counter()
         with runner.session(), torch.inference_mode():
             new = decode_rows(runner, drafter, ids, mask, params, stoppers, None, stats,
@@ -182,11 +181,9 @@ def summarise_cell(groups: list[dict], names: list[str], b: int, context: int) -
             m["greedy_match"] = all(r == p for g in groups for r, p in zip(g[name]["rows"], g["plain"]["rows"]))
         cell["methods"][name] = m
     if "plain" in names:
-        base = cell["methods"]["plain"]["tokens_per_s"]
-        busy_base = cell["methods"]["plain"]["busy_tokens_per_s"]
         for m in cell["methods"].values():
-            m["speedup"] = m["tokens_per_s"] / base
-            m["busy_speedup"] = m["busy_tokens_per_s"] / busy_base
+            m["speedup"] = m["tokens_per_s"] / cell["methods"]["plain"]["tokens_per_s"]
+            m["busy_speedup"] = m["busy_tokens_per_s"] / cell["methods"]["plain"]["busy_tokens_per_s"]
     return cell
 
 

@@ -5,7 +5,6 @@ as "User: ...\n\nAssistant: ...", short ones joined in file order. Nothing is do
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +32,15 @@ def _conversation_text(path: Path, n: int, row: Any) -> str:
     return "\n\n".join(parts)
 
 
-def _iter_documents(path: Path, min_chars: int) -> Iterator[tuple[bool, str]]:
-    """(single, text) in file order: conversations of >= min_chars alone, shorter long ones joined in runs."""
+def long_documents(path: Path | None = None, min_chars: int = 20000, limit: int | None = None) -> list[str]:
+    """Distinct texts of >= min_chars characters from ShareGPT (default: the cached sharegpt.jsonl): single
+    conversations, then runs of shorter ones (of at least min_chars / PIECE_FRACTION each) joined in file order; each
+    group longest first, ties in file order."""
+    path = Path(path) if path is not None else default_corpus()
     piece_chars = max(1, min_chars // PIECE_FRACTION)
     seen: set[bytes] = set()  # digests of conversations already used (ShareGPT repeats some)
+    singles: list[str] = []
+    joined: list[str] = []
     run: list[str] = []
     run_chars = 0
     for n, row in iter_jsonl(path, error=ValueError):
@@ -46,22 +50,15 @@ def _iter_documents(path: Path, min_chars: int) -> Iterator[tuple[bool, str]]:
             continue
         seen.add(digest)
         if len(text) >= min_chars:
-            yield True, text
+            singles.append(text)
             continue
         run.append(text)
         run_chars += len(text) + 2
         if run_chars >= min_chars:
-            yield False, "\n\n".join(run)
+            joined.append("\n\n".join(run))
             run, run_chars = [], 0
-
-
-def long_documents(path: Path | None = None, min_chars: int = 20000, limit: int | None = None) -> list[str]:
-    """Distinct texts of >= min_chars characters from ShareGPT (default: the cached sharegpt.jsonl): single
-    conversations, then runs of shorter ones joined; each group longest first, ties in file order."""
-    path = Path(path) if path is not None else default_corpus()
-    docs = sorted(((not single, -len(text), order, text)
-                   for order, (single, text) in enumerate(_iter_documents(path, min_chars))))
-    return [text for *_, text in docs[:limit]]
+    # sorted() is stable with reverse=True: equal lengths keep file order
+    return (sorted(singles, key=len, reverse=True) + sorted(joined, key=len, reverse=True))[:limit]
 
 
 def chat_token_ids(tokenizer: Any, content: str) -> list[int]:
@@ -104,20 +101,17 @@ def long_prompts(tokenizer: Any, context: int, count: int, path: Path | None = N
         raise ValueError(f"context {context} leaves no room for a document (template + instruction: {overhead} tokens)")
     path = Path(path) if path is not None else default_corpus()
     specials = [t for t in tokenizer.all_special_tokens if t]
-    max_chars = 12 * context  # enough text for `context` tokens in any language; tokenized in one call
     prompts: list[list[int]] = []
-    seen: set[tuple[int, ...]] = set()
     for doc in long_documents(path, 5 * context):  # ~4 characters a token in English prose
-        text = doc[:max_chars]
+        text = doc[:12 * context]  # enough text for `context` tokens in any language; tokenized in one call
         if any(s in text for s in specials):  # e.g. a literal "<|im_end|>" would read as a control token
             continue
         doc_ids = tokenizer(text, add_special_tokens=False).input_ids
         if len(doc_ids) < context - overhead:
             continue
         ids = _fit(tokenizer, doc_ids, instruction, context, overhead)
-        if ids is None or tuple(ids) in seen:
+        if ids is None or ids in prompts:
             continue
-        seen.add(tuple(ids))
         prompts.append(ids)
         if len(prompts) == count:
             return prompts

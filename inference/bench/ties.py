@@ -57,13 +57,11 @@ def explain_divergence(target: nn.Module, spec_sequence: torch.Tensor, ref_seque
     pos = first_divergence(spec, ref)
     if pos is None or pos >= min(spec.numel(), ref.numel()):
         return None
-    device = next(target.parameters()).device
-    prefix = ref[:pos].view(1, -1).to(device)
+    prefix = ref[:pos].view(1, -1).to(next(target.parameters()).device)
     logits = target(prefix, logits_to_keep=1).logits[0, -1]  # (V,) model dtype
     a, b = int(spec[pos]), int(ref[pos])
     la, lb = float(logits[a]), float(logits[b])
     top = torch.topk(logits.float(), 2)
-    top2 = tuple(int(i) for i in top.indices)
     best = float(top.values[0])
     res = bf16_resolution(best)
     tie = best - min(la, lb) <= tolerance_ulps * res  # both chosen tokens are (nearly) tied for the top
@@ -73,4 +71,4 @@ def explain_divergence(target: nn.Module, spec_sequence: torch.Tensor, ref_seque
         exact_gap = float(exact[b] - exact[a])
         error = max(abs(la - float(exact[a])), abs(lb - float(exact[b])))
         tie = tie or exact_gap <= 2 * error + res
-    return Divergence(pos, a, b, la, lb, top2, abs(la - lb), res, tie, exact_gap, error)
+    return Divergence(pos, a, b, la, lb, tuple(int(i) for i in top.indices), abs(la - lb), res, tie, exact_gap, error)

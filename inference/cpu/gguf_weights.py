@@ -2,10 +2,9 @@
 against its dequantized model.
 
 transformers loads a GGUF file as a float32 model of dequantized weights. `use_gguf_weights(model, path)` gives each
-linear whose weight a tensor of the file in one of these formats dequantizes to exactly (rows matched, so llama.cpp's
-q/k order is found) a repacked copy of its blocks; small_gemm_avx2.cpp's small_linear_q multiplies with them
-bit-identically to the float32 kernel, streaming a quarter or less of the bytes. Prefill (many rows) keeps the float32
-weights.
+linear whose weight a tensor of the file in one of these formats dequantizes to exactly (rows matched: llama.cpp's q/k
+order is found) a repacked copy of its blocks; small_gemm_avx2.cpp's small_linear_q multiplies with them bit-identically
+to the float32 kernel, streaming a quarter or less of the bytes. Prefill (many rows) keeps the float32 weights.
 """
 
 from __future__ import annotations
@@ -45,8 +44,7 @@ def _q8(q: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _q4(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """q (N, K) values 0..15, d and m (N, K/32) float32 (w = q · d + m) -> (nibbles uint8 (N/16, K/2, 16): k = 2p in
-    byte [p, c]'s low nibble and 2p + 1 in its high one, d and m (N/16, K/32, 2, 16)) in small_linear_q's 4-bit
-    layout."""
+    byte [p, c]'s low nibble, 2p + 1 in its high one; d and m (N/16, K/32, 2, 16)) in small_linear_q's 4-bit layout."""
     n = q.shape[0]
     q = _column_blocks(q)  # (N/16, K, 16)
     nibbles = q[:, 0::2] | (q[:, 1::2] << 4)
@@ -60,40 +58,35 @@ def _q4(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.nda
 
 def _q8_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(N, K/32 · 34) Q8_0 bytes: per 32 weights a half d, then int8 q; w = d · q."""
-    n = blocks.shape[0]
-    b = blocks.reshape(n, -1, 34)
-    return _q8(b[..., 2:].copy().view(np.int8).reshape(n, -1), _half(b[..., :2]))
+    b = blocks.reshape(len(blocks), -1, 34)
+    return _q8(b[..., 2:].copy().view(np.int8).reshape(len(blocks), -1), _half(b[..., :2]))
 
 
 def _q5_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(N, K/32 · 22) Q5_0 bytes: per 32 weights a half d, the 32 high bits, then the low nibbles; w = d · (q - 16),
     an int8 in the 8-bit layout."""
-    n = blocks.shape[0]
-    b = blocks.reshape(n, -1, 22)
+    b = blocks.reshape(len(blocks), -1, 22)
     high = (b[..., 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1  # bit j: weight j
     q = (_low_high(b[..., 6:]) | (high.astype(np.uint8) << 4)).astype(np.int8) - 16
-    return _q8(q.reshape(n, -1), _half(b[..., :2]))
+    return _q8(q.reshape(len(blocks), -1), _half(b[..., :2]))
 
 
 def _q4_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(N, K/32 · 18) Q4_0 bytes: per 32 weights a half d, then 4-bit q; w = d · (q - 8) = d · q + (-8 d)."""
-    n = blocks.shape[0]
-    b = blocks.reshape(n, -1, 18)
+    b = blocks.reshape(len(blocks), -1, 18)
     d = _half(b[..., :2])
-    return _q4(_low_high(b[..., 2:]).reshape(n, -1), d, -8 * d)
+    return _q4(_low_high(b[..., 2:]).reshape(len(blocks), -1), d, -8 * d)
 
 
 def _q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(N, K/32 · 20) Q4_1 bytes: per 32 weights a half d and m, then 4-bit q; w = d · q + m."""
-    n = blocks.shape[0]
-    b = blocks.reshape(n, -1, 20)
-    return _q4(_low_high(b[..., 4:]).reshape(n, -1), _half(b[..., 0:2]), _half(b[..., 2:4]))
+    b = blocks.reshape(len(blocks), -1, 20)
+    return _q4(_low_high(b[..., 4:]).reshape(len(blocks), -1), _half(b[..., 0:2]), _half(b[..., 2:4]))
 
 
 def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(N, K/256 · 144) Q4_K bytes: per 256 weights a half d and dmin, a 6-bit scale and minimum for each 32, then
-    4-bit q; w = (d · scale) · q - dmin · minimum: the 4-bit layout with d · scale and -dmin · minimum (both exact)
-    per 32 weights."""
+    """(N, K/256 · 144) Q4_K bytes: per 256 weights a half d and dmin, a 6-bit scale and minimum for each 32, then 4-bit
+    q; w = (d · scale) · q - dmin · minimum: the 4-bit layout with d · scale and -dmin · minimum (both exact) per 32."""
     import gguf
 
     n = blocks.shape[0]
@@ -160,12 +153,10 @@ def use_gguf_weights(model: nn.Module, path: str | Path) -> int:
     wanted: dict[tuple, list[nn.Linear]] = {}
     for module in linears:
         wanted.setdefault(tuple(module.weight.shape), []).append(module)
-    packers = _packers()
-    attached = 0
     for shape, kind, raw in read_gguf(path)[1].values():
         qtype = gguf.GGMLQuantizationType[kind]
         candidates = wanted.get(tuple(reversed(shape)), [])  # GGUF shapes run (K, N)
-        if qtype not in packers or not candidates:
+        if qtype not in _packers() or not candidates:
             continue
         blocks = np.frombuffer(raw, dtype=np.uint8).reshape(shape[1], -1)  # (N, K / block · bytes per block)
         values = gguf.quants.dequantize(blocks, qtype)  # (N, K) float32, as transformers loaded it
@@ -182,8 +173,7 @@ def use_gguf_weights(model: nn.Module, path: str | Path) -> int:
             module.register_buffer("qpacked", packed, persistent=False)
             module.register_buffer("qparams", params, persistent=False)
             candidates.remove(module)  # matched: later tensors of this shape are not dequantized for it
-            attached += 1
-    return attached
+    return len(linears) - sum(map(len, wanted.values()))  # the linears matched (each left `wanted` once)
 
 
 def has_gguf_weights(model: nn.Module) -> bool:

@@ -22,8 +22,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from .kernels import BLOCK, FLOAT_BLOCK, avx2_kernels_available, kernels_available
 
 KERNEL_ROWS = 16  # the default row limit: past it a step is no longer bound by reading the weights
-BATCH_KERNEL_ROWS = 64  # a batch's verify step (rows x tree tokens): the kernel still beats oneDNN and MKL there
-# (docs/results/HISTORY.md)
+BATCH_KERNEL_ROWS = 64  # a batch's verify (rows x tree tokens): still beats oneDNN and MKL (docs/results/HISTORY.md)
 
 # the switches of small_row_kernel() (row limit 0: outside) and int8_weights(): module globals, so a compiled step
 # guards on them (it skips guards on nn.Module state)
@@ -278,16 +277,16 @@ def _unconvert(module: nn.Module, own_class: type) -> None:
             module._buffers[name] = None
 
 
-def _back_to_back(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when packed weight b starts where a ends, in one storage."""
-    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.is_contiguous()
-            and b.is_contiguous() and a.storage_offset() + a.numel() == b.storage_offset())
-
-
-def _side_by_side(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when int8 columns b (2, N) continue a's along dim 1, in one storage (use_int8_weights' slices)."""
-    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.stride() == b.stride()
-            and a.stride(1) == 1 and a.storage_offset() + a.shape[1] == b.storage_offset())
+def _continues(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """True when call b's operands continue call a's, each pair in one storage: packed weight b[0] starts where a[0]
+    ends, and int8 columns (2, N) b[1], if any, continue a[1] along dim 1 (use_int8_weights' slices)."""
+    if any(x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr() for x, y in zip(a, b)):
+        return False
+    if not (a[0].is_contiguous() and b[0].is_contiguous()
+            and a[0].storage_offset() + a[0].numel() == b[0].storage_offset()):
+        return False
+    return len(a) == 1 or (a[1].stride() == b[1].stride() and a[1].stride(1) == 1
+                           and a[1].storage_offset() + a[1].shape[1] == b[1].storage_offset())
 
 
 class FuseSiblingLinears(CustomGraphPass):
@@ -313,30 +312,23 @@ class FuseSiblingLinears(CustomGraphPass):
                               else a for a in rest[1:])  # (one tensor read through several get_attr nodes: alike)
                 by_input.setdefault((node.target, node.args[0], extra), []).append(node)
         order = {n: i for i, n in enumerate(graph.nodes)}  # nodes inserted later are never compared
-        fused = 0
         for (op, _, _), calls in by_input.items():
             if len(calls) < 2:
                 continue
             tensors = {n: [attrgetter(a.target)(module) for a in n.args[1: 1 + ops[op][0]]] for n in calls}
             calls.sort(key=lambda n: (tensors[n][0].untyped_storage().data_ptr(), tensors[n][0].storage_offset()))
-
-            def follows(a: torch.fx.Node, b: torch.fx.Node) -> bool:
-                return _back_to_back(tensors[a][0], tensors[b][0]) and (
-                    len(tensors[a]) == 1 or _side_by_side(tensors[a][1], tensors[b][1]))
-
             run: list[torch.fx.Node] = []
             for node in calls + [None]:
-                if node is not None and (not run or follows(run[-1], node)):
+                if node is not None and (not run or _continues(tensors[run[-1]], tensors[node])):
                     run.append(node)
                     continue
                 if len(run) >= 2:
-                    self._fuse(graph, module, op, ops[op][1], run, [tensors[n] for n in run], order,
-                               f"_small_linear_fused{fused}")
-                    fused += 1
+                    self._fuse(graph, module, op, ops[op][1], run, [tensors[n] for n in run], order)
                 run = [node] if node is not None else []
 
     @staticmethod
-    def _fuse(graph, module, op, block, calls, operands, order, name) -> None:
+    def _fuse(graph, module, op, block, calls, operands, order) -> None:
+        name = f"_{calls[0].name}_fused"  # (FX node names are unique in a graph)
         first = operands[0][0]
         blocks = sum(w[0].shape[0] for w in operands)
         spans = [first.as_strided((blocks, *first.shape[1:]), first.stride(), first.storage_offset())]
@@ -352,18 +344,16 @@ class FuseSiblingLinears(CustomGraphPass):
             attrs = [graph.get_attr(f"{name}_{i}") for i in range(len(spans))]
             extra = calls[0].args[2 + len(operands[0]):]  # (small_linear's live entries, after the bias)
             out = graph.call_function(op, (x, *attrs, None, *extra))
-            if val is not None:
-                with val.fake_mode:
-                    out.meta["val"] = val.new_empty(*val.shape[:-1], blocks * block)
             parts, start = [], 0
             for w in operands:
-                width = w[0].shape[0] * block
-                part = graph.call_function(torch.ops.aten.slice.Tensor, (out, -1, start, start + width))
-                if val is not None:
-                    with val.fake_mode:
-                        part.meta["val"] = torch.ops.aten.slice.Tensor(out.meta["val"], -1, start, start + width)
-                parts.append(part)
-                start += width
+                end = start + w[0].shape[0] * block
+                parts.append(graph.call_function(torch.ops.aten.slice.Tensor, (out, -1, start, end)))
+                start = end
+        if val is not None:
+            with val.fake_mode:
+                out.meta["val"] = val.new_empty(*val.shape[:-1], blocks * block)
+                for part in parts:  # args (out, -1, start, end)
+                    part.meta["val"] = torch.ops.aten.slice.Tensor(out.meta["val"], *part.args[1:])
         for node, part in zip(calls, parts):  # outside the insertion point: `earliest` is among the erased
             node.replace_all_uses_with(part)
             graph.erase_node(node)

@@ -83,6 +83,7 @@ class DraftModelDrafter:
         self.tree_size = gamma + 1
         self.vocab = target_vocab
         self.runner = make_runner(self.model, [], runner, compile)
+        self.session = self.runner.session  # its attention kernel, entered once per generation by the engine
         self.device = next(model.parameters()).device
         self.pending: list[list[int]] = []  # each row's accepted tokens not yet in the draft's cache
         self.after_root: torch.Tensor | None = None  # (B,) each row's cache length right after its root was fed
@@ -93,10 +94,6 @@ class DraftModelDrafter:
         for runner in (self.runner, self._prefill_runner):
             if runner is not None:
                 runner.close()
-
-    def session(self):
-        """The draft runner's session (its attention kernel), entered once per generation by the engine."""
-        return self.runner.session()
 
     def begin(self, runner, input_ids: torch.Tensor, attention_mask: torch.Tensor, features) -> None:
         self.runner.reset(input_ids.shape[0], runner.capacity)

@@ -9,8 +9,6 @@ first deepest correct path; sampling meets one more point-mass proposal).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from ..drafter import Accepted, PlainDrafter
@@ -87,17 +85,10 @@ class LookupBranch:
         self.origin_names = (*drafter.origin_names, "prompt_lookup")
         self.tree_size = drafter.tree_size + nodes
         self.smallest_tree = getattr(drafter, "smallest_tree", 1)  # no lookup match adds nothing
+        self.feature_layers = drafter.feature_layers
+        self.session = drafter.session  # the branch lives in the drafter's context and is freed with it
+        self.close = getattr(drafter, "close", lambda: None)
         self.rows: list[NgramIndex] = []
-
-    @property
-    def feature_layers(self) -> list[int]:
-        return self.drafter.feature_layers
-
-    def session(self) -> contextlib.AbstractContextManager:
-        return self.drafter.session()
-
-    def close(self) -> None:
-        getattr(self.drafter, "close", lambda: None)()
 
     def begin(self, runner, input_ids: torch.Tensor, attention_mask: torch.Tensor,
               features: torch.Tensor | None) -> None:
@@ -149,12 +140,11 @@ class LookupBranch:
         if size == 1:  # nothing drafted in any row: the roots alone
             return tree
         for row_tokens, row_parents, row_depths, row_origin in zip(tokens, parents, depths, origin):
-            first = 1 if len(row_tokens) > 1 else 0  # padding: copies of the first drafted node (or of the root)
-            while len(row_tokens) < size:
-                row_tokens.append(row_tokens[first])
-                row_parents.append(row_parents[first] if first else 0)
-                row_depths.append(row_depths[first] if first else 1)
-                row_origin.append(0)
+            pad = size - len(row_tokens)  # copies of the first drafted node (or of the root): a child of the root
+            row_tokens += [row_tokens[min(1, len(row_tokens) - 1)]] * pad
+            row_parents += [0] * pad
+            row_depths += [1] * pad
+            row_origin += [0] * pad
         device = tree.tokens.device
         parents_t = torch.tensor(parents, device=device)
         merged = DraftTree(torch.tensor(tokens, device=device), parents_t, torch.tensor(depths, device=device),

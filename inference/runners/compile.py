@@ -1,6 +1,5 @@
-"""torch.compile for decoding steps, scoped: each runner compiles its own copy of a step's code, and the compiler
-settings hold only inside a runner's decoding session (scoped_settings), so a user's own torch.compile calls are
-unaffected."""
+"""torch.compile for decoding steps, scoped: each runner compiles its own copy of a step's code; the compiler settings
+hold only inside a runner's decoding session (scoped_settings), so a user's own torch.compile calls are unaffected."""
 
 from __future__ import annotations
 
@@ -22,9 +21,8 @@ def own_code(method, name: str = ""):
 
 
 def compile_setting(compile: bool | str, device: torch.device, tuned: bool = False) -> bool:
-    """Whether to compile: True/False (or the CLI's "on"/"off") as given; "auto" compiles on CUDA, and on a CPU
-    for a tuned tree (`tuned`: tree="auto"), where a generator is kept long enough to repay minutes of compile
-    (docs/results/HISTORY.md)."""
+    """Whether to compile: True/False (CLI: "on"/"off") as given; "auto" compiles on CUDA, and on a CPU for a tuned tree
+    (`tuned`: tree="auto"), its generator kept long enough to repay minutes of compile (docs/results/HISTORY.md)."""
     compile = {"on": True, "off": False}.get(compile, compile)
     if compile == "auto":
         return device.type == "cuda" or tuned
@@ -43,7 +41,7 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
     docs/results/HISTORY_LONG_CONTEXT.md).
     `name` tells the compiled copies apart in profiles.
     `unguarded`: attribute paths of `fn`'s self (e.g. "self.cache") whose guards are skipped: objects the caller
-    never swaps while the step lives, or whose step it releases (release_step) when it does.
+    never swaps while the step lives, or whose step it releases (release_steps) when it does.
     `dynamic` (CPU): {argument index: dimension} kept symbolic (marked at every call): one graph for all their
     sizes; every other dimension is fixed."""
 
@@ -75,7 +73,7 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
                 for i, dim in dynamic.items():
                     torch._dynamo.mark_dynamic(args[i], dim)
                 return compiled(*args)
-    step.drafthead_code = fn.__func__.__code__  # (release_step)
+    step.drafthead_code = fn.__func__.__code__  # (release_steps)
     return step
 
 
@@ -84,9 +82,6 @@ def scoped_settings(cpu: bool):
     """The compiler settings decoding steps compile and run under, restored afterwards: room for one graph per
     verify bucket and buffer size; on CPU, frozen weights prepacked for oneDNN (an `options` entry is not honoured)
     and one GEMM for linears that share an input."""
-    import torch._dynamo
-    import torch._inductor.config
-
     dynamo = torch._dynamo.config
     limits = dict(recompile_limit=max(dynamo.recompile_limit, 64),
                   accumulated_recompile_limit=max(dynamo.accumulated_recompile_limit, 256))
@@ -95,7 +90,8 @@ def scoped_settings(cpu: bool):
         yield
 
 
-def release_step(step) -> None:
-    """Free the graphs of a compile_step() step and what they hold (dynamo keeps them alive beyond the callable)."""
-    torch._C._dynamo.eval_frame.reset_code(step.drafthead_code)
+def release_steps(steps) -> None:
+    """Free the graphs of compile_step() steps and what they hold (dynamo keeps them alive beyond the callables)."""
+    for step in steps:
+        torch._C._dynamo.eval_frame.reset_code(step.drafthead_code)
 

@@ -85,8 +85,7 @@ class EagerRunner:
     @torch.inference_mode()
     def verify(self, tokens: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor, largest: int = 0):
         """One forward over the tree after the cached prefix: tokens (1, n) root first; depths (1, n); ancestors
-        (1, n, n) bool; `largest` is unused (nothing is padded). Returns (logits (1, n, V), features (1, n, F),
-        argmax (1, n))."""
+        (1, n, n) bool; `largest` unused (no padding). Returns (logits (1, n, V), features (1, n, F), argmax (1, n))."""
         past = self.cache.get_seq_length()
         n = tokens.shape[1]
         if self.window is not None and past + n > self.window:

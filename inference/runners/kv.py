@@ -1,9 +1,8 @@
 """Preallocated KV buffers: transformers' StaticCache with every layer in one tensor, and per-row slots (rows of a
 batch advance by different amounts, so their entries sit at different slots of a fixed buffer).
 
-Two layouts (SlotMap): full, position p at slot p; streaming (StreamingLLM; Xiao et al. 2023), the first `sink`
-positions at slots 0..sink-1 and every later one in a ring of `window` slots after them, so the buffer never grows
-with the context.
+Two SlotMap layouts: full, position p at slot p; streaming (StreamingLLM; Xiao et al. 2023), the first `sink` positions
+at slots 0..sink-1, each later one in a ring of `window` slots after them, so the buffer never grows with the context.
 """
 
 from __future__ import annotations

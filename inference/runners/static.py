@@ -1,8 +1,7 @@
 """The target runner: B rows (batch 1 is B = 1) in preallocated KV buffers, each row advancing by its own accepted
 length; verify steps of fixed shapes, optionally compiled (docs/architecture.md has the design).
 
-Layout of one row in the (B, kv_heads, capacity, head_dim) buffers (kv.static_cache, every layer one view of a
-single tensor):
+Layout of one row in the (B, kv_heads, capacity, head_dim) buffers (kv.static_cache: every layer a view of one tensor):
 
     [ left padding | committed tokens: slots start_i .. length_i-1 | hole | tree: W .. W+n-1 | ... | scratch ]
 
@@ -30,7 +29,7 @@ from ..cpu.gguf_weights import has_gguf_weights
 from ..cpu.small_gemm import BATCH_KERNEL_ROWS, live_entries, release_kernels, small_row_kernel, use_small_row_kernel
 from ..drafter import Accepted
 from .attention import PREFILL_NAME, attention_implementation, decoding_attention, kv_length_kwargs
-from .compile import compile_step, release_step, scoped_settings
+from .compile import compile_step, release_steps, scoped_settings
 from .kv import buffer_capacity, keep_leading_rows, set_write_slot, static_cache, static_cache_supported
 
 DEFAULT_BUCKETS = (1, 4, 8, 12, 16, 32, 64)
@@ -91,8 +90,7 @@ class StaticRunner:
         largest bucket is added); reused when they already fit."""
         capacity = max(buffer_capacity(length + self.buckets[-1] + 1), self.min_capacity)  # + the scratch slot
         if self.cache is None or self.rows != batch or self.capacity < capacity:  # new buffers, new steps
-            for step in self._steps.values():
-                release_step(step)
+            release_steps(self._steps.values())
             self.cache, self._steps = None, {}  # the old buffers can go before the new ones are allocated
             self.cache = static_cache(self.model, batch, capacity)
             self.capacity = capacity
@@ -184,8 +182,7 @@ class StaticRunner:
 
     def close(self) -> None:
         """Free the compiled steps and buffers, and give the model back as it was (hooks, linears)."""
-        for step in self._steps.values():
-            release_step(step)
+        release_steps(self._steps.values())
         self._steps, self.cache = {}, None
         self.release()
 
@@ -219,8 +216,9 @@ class StaticRunner:
         if size not in self._steps:
             self.shapes.add((self.rows, self.capacity, size))
             low, high = self.kernel_rows
-            small = self.rows * size <= SMALL_GEMM_ROWS and not low <= self.rows * size <= high
-            shared = self.rows == 1 and size > 1 and not small and self.device.type == "cpu"
+            kernel = low <= self.rows * size <= high  # the linears run small_gemm.py's kernel
+            small = self.rows * size <= SMALL_GEMM_ROWS and not kernel
+            shared = self.rows == 1 and size > 1 and kernel and self.device.type == "cpu"
             key = "shared" if shared else size
             if key not in self._steps:  # shared: tokens, positions and mask have the tree's size in dims 1, 1, 2
                 # the buffers' guards are skipped (`unguarded`): new buffers come with new steps (reset)
@@ -250,21 +248,19 @@ class StaticRunner:
                              "(tokenizer.padding_side = 'left')")
         if (start >= t).any():
             raise ValueError("every prompt needs at least one token")
-        self.start, self.length = start, torch.zeros_like(start)
         positions = (slot[None, :] - start[:, None]).clamp_min(0)  # padding sits at position 0
-        keys = self.slot_ids
         features = []
         with attention_implementation(self.model, PREFILL_NAME):
             for c0 in range(0, t, PREFILL_CHUNK):
                 c1 = min(c0 + PREFILL_CHUNK, t)
                 query = slot[c0:c1]
-                allowed = (keys[None, None, :] <= query[None, :, None]) & (keys[None, None, :] >= start[:, None, None])
-                allowed |= keys[None, None, :] == query[None, :, None]  # padding attends itself (never all-masked)
+                allowed = (self.slot_ids <= query[:, None]) & (self.slot_ids >= start[:, None, None])  # (B, n, S)
+                allowed |= self.slot_ids == query[:, None]  # padding attends itself (never all-masked)
                 set_write_slot(self.cache, c0)
                 logits, feats, _ = self._step_forward(input_ids[:, c0:c1].to(self.device), positions[:, c0:c1],
                                                       to_additive(allowed.unsqueeze(1), self.dtype), c1, None, keep=1)
                 features.append(feats)
-        self.length = torch.full_like(start, t)
+        self.start, self.length = start, torch.full_like(start, t)
         self.lengths = [t] * b
         return logits[:, -1], (torch.cat(features, dim=1) if features[0] is not None else None)
 

@@ -93,11 +93,6 @@ def cache_key(model: nn.Module, head: DraftHead, runner: Any, compiled: bool, lo
             "budget": repr(budget), "draft_weights": draft_weights}
 
 
-def cache_file(key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return cache_dir() / "tuning" / f"tree-{digest}.json"
-
-
 def read_cached(path: Path, key: dict) -> TunedTree | None:
     """The cached choice for `key`, or None (no file, an unreadable one, or another key)."""
     try:
@@ -148,7 +143,8 @@ def tuned_tree(model: nn.Module, head: DraftHead, tokenizer: Any, runner: Any, c
     device = next(model.parameters()).device
     budget = QUICK if device.type != "cuda" else dataclasses.replace(FULL, trial_trees=2, rounds=1)
     key = cache_key(model, head, runner, compiled, lookup_tokens, budget, draft_weights)
-    path = cache_file(key)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    path = cache_dir() / "tuning" / f"tree-{digest}.json"
     cached = read_cached(path, key)
     if cached is None:
         inputs = calibration_inputs(tokenizer, device)
