@@ -137,13 +137,28 @@ def test_lookup_branch_is_kept_only_when_measured_at_least_as_fast():
     above = [b - options.tree_size for b in (4, 8, 16) if b > options.tree_size]
     assert branch["tokens"] == (max(above[:1] + above[-1:], key=lambda n: branch["trial"][str(n)]) if above else 0)
     if branch["tokens"] == 0:
-        assert rates is None and not branch["chosen"] and "largest verify bucket (16)" in branch["skipped"]
+        assert rates is None and not branch["chosen"] and "largest verify bucket timed (16)" in branch["skipped"]
     else:
         assert rates["tree_alone"] > 0 and rates["with_lookup"] > 0
         assert branch["chosen"] == (rates["with_lookup"] >= budget.LOOKUP_BRANCH_MARGIN * rates["tree_alone"])
     _, without = budget.auto_tree(target, head, calib, max_new_tokens=8, verbose=False, runner=runner,
                                   generator=SpeculativeGenerator)
     assert without["lookup_branch"] is None
+
+
+def test_the_budget_bounds_the_buckets_timed_and_the_lookup_branch():
+    """A budget verifying at most 7 drafted tokens times the buckets up to 8 only, and the tree plus its lookup
+    branch stay within them: no larger bucket is compiled for the tuning."""
+    target = near_bigram_target()
+    head = oracle_head(target).attach_target(target)
+    runner = StaticRunner(target, head.config.aux_layer_ids, buckets=(1, 4, 8, 16))
+    calib = [torch.cat([p, p, p], dim=1) for p in prompts(2, 320, seed=4)]
+    small = dataclasses.replace(budget.FULL, max_verify=7, trial_trees=1)
+    options, report = budget.auto_tree(target, head, calib, max_new_tokens=16, verbose=False, runner=runner,
+                                       lookup_tokens=20, budget=small, generator=SpeculativeGenerator)
+    assert sorted(map(int, report["verify_ms"])) == [0, 3, 7]
+    assert options is not None and options.tree_size + report["lookup_branch"]["tokens"] <= 8
+    assert {size for _, _, size in runner.shapes} <= {1, 4, 8}
 
 
 def test_prompt_lookup_alone_is_tried_where_no_tree_won():

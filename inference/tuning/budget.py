@@ -53,9 +53,10 @@ class TuningBudget:
 
 
 FULL = TuningBudget()
-# on a CPU a tree past 32 tokens never won (verifying 33 tokens costs several plain steps there)
+# on a CPU no tuning chose a tree past 12 drafted tokens (docs/results/cpu_tuned_tree_sizes.json): verify buckets up
+# to 16 tokens are timed, and no larger one is compiled
 QUICK = TuningBudget(calibration=TreeOptions(depth=6, top_k=8, total_tokens=32), depths=(2, 3, 4, 5, 6),
-                     top_ks=(1, 2, 4, 8), max_verify=32, verify_reps=5, draft_reps=3, trial_trees=2, rounds=1)
+                     top_ks=(1, 2, 4, 8), max_verify=16, verify_reps=5, draft_reps=3, trial_trees=2, rounds=1)
 # a tree with a larger verify bucket must beat the best smaller one by this factor in the trial: short calibration
 # prompts rated larger trees a few per cent ahead that then decoded slower (docs/results/HISTORY.md)
 LARGER_TREE_MARGIN = 1.10
@@ -358,16 +359,16 @@ def auto_tree(
                                                generator=generator)
     lookup_branch = None
     if lookup_tokens > 0:
-        # the branch's nodes come on top of the tree's: a static runner's largest bucket bounds the two together,
-        # and a branch that fits the tree's next bucket may beat a longer one verified in a costlier bucket
+        # the branch's nodes come on top of the tree's: the largest bucket timed bounds the two together, and a
+        # branch that fits the tree's next bucket may beat a longer one verified in a costlier bucket
         buckets = getattr(runner, "buckets", None)
         tree_size = options.tree_size if options is not None else 1
-        above = [b - tree_size for b in buckets or () if b > tree_size]
+        above = [b - tree_size for b in buckets or () if tree_size < b <= max(verify_ms) + 1]
         counts = tuple(sorted({min(lookup_tokens, n) for n in above[:1] + above[-1:]})) if buckets else (lookup_tokens,)
         if not counts:
             lookup_branch = {"tokens": 0, "chosen": False, "tokens_per_s": None,
-                             "skipped": f"the tree fills the runner's largest verify bucket ({buckets[-1]})" if options
-                             else "the runner verifies one token a step"}
+                             "skipped": f"the tree fills the largest verify bucket timed ({max(verify_ms) + 1})"
+                             if options else "the runner verifies one token a step"}
             choice += f", without the prompt-lookup branch ({lookup_branch['skipped']})"
         else:
             # measured, not replayed: the branch's copies of the context are unknown to the recorded trees
