@@ -53,7 +53,7 @@ class TuningBudget:
 
 
 FULL = TuningBudget()
-# on a CPU no tuning chose a tree past 12 drafted tokens (docs/results/cpu_tuned_tree_sizes.json): verify buckets up
+# every CPU tuning chose a tree a 16-token verify bucket holds (docs/results/cpu_tuned_tree_sizes.json): buckets up
 # to 16 tokens are timed, and no larger one is compiled
 QUICK = TuningBudget(calibration=TreeOptions(depth=6, top_k=8, total_tokens=32), depths=(2, 3, 4, 5, 6),
                      top_ks=(1, 2, 4, 8), max_verify=16, verify_reps=5, draft_reps=3, trial_trees=2, rounds=1)
