@@ -181,9 +181,10 @@ def summarise_cell(groups: list[dict], names: list[str], b: int, context: int) -
             m["greedy_match"] = all(r == p for g in groups for r, p in zip(g[name]["rows"], g["plain"]["rows"]))
         cell["methods"][name] = m
     if "plain" in names:
+        plain = cell["methods"]["plain"]
         for m in cell["methods"].values():
-            m["speedup"] = m["tokens_per_s"] / cell["methods"]["plain"]["tokens_per_s"]
-            m["busy_speedup"] = m["busy_tokens_per_s"] / cell["methods"]["plain"]["busy_tokens_per_s"]
+            m["speedup"] = m["tokens_per_s"] / plain["tokens_per_s"]
+            m["busy_speedup"] = m["busy_tokens_per_s"] / plain["busy_tokens_per_s"]
     return cell
 
 

@@ -91,7 +91,8 @@ def scoped_settings(cpu: bool):
 
 
 def release_steps(steps) -> None:
-    """Free the graphs of compile_step() steps and what they hold (dynamo keeps them alive beyond the callables)."""
-    for step in steps:
-        torch._C._dynamo.eval_frame.reset_code(step.drafthead_code)
+    """Free the graphs of compile_step() steps and what they hold (dynamo keeps them alive beyond the callables);
+    a step listed twice (one graph shared by several buckets) is freed once."""
+    for code in {step.drafthead_code for step in steps}:
+        torch._C._dynamo.eval_frame.reset_code(code)
 

@@ -216,9 +216,9 @@ class StaticRunner:
         if size not in self._steps:
             self.shapes.add((self.rows, self.capacity, size))
             low, high = self.kernel_rows
-            kernel = low <= self.rows * size <= high  # the linears run small_gemm.py's kernel
+            kernel = low <= self.rows * size <= high  # the linears run small_gemm.py's kernel (a CPU's only)
             small = self.rows * size <= SMALL_GEMM_ROWS and not kernel
-            shared = self.rows == 1 and size > 1 and kernel and self.device.type == "cpu"
+            shared = self.rows == 1 and size > 1 and kernel
             key = "shared" if shared else size
             if key not in self._steps:  # shared: tokens, positions and mask have the tree's size in dims 1, 1, 2
                 # the buffers' guards are skipped (`unguarded`): new buffers come with new steps (reset)

@@ -363,12 +363,13 @@ def auto_tree(
         # branch that fits the tree's next bucket may beat a longer one verified in a costlier bucket
         buckets = getattr(runner, "buckets", None)
         tree_size = options.tree_size if options is not None else 1
-        above = [b - tree_size for b in buckets or () if tree_size < b <= max(verify_ms) + 1]
+        timed = max(verify_ms) + 1  # the largest bucket timed, root included
+        above = [b - tree_size for b in buckets or () if tree_size < b <= timed]
         counts = tuple(sorted({min(lookup_tokens, n) for n in above[:1] + above[-1:]})) if buckets else (lookup_tokens,)
         if not counts:
             lookup_branch = {"tokens": 0, "chosen": False, "tokens_per_s": None,
-                             "skipped": f"the tree fills the largest verify bucket timed ({max(verify_ms) + 1})"
-                             if options else "the runner verifies one token a step"}
+                             "skipped": f"the tree fills the largest verify bucket timed ({timed})" if options
+                             else "the runner verifies one token a step"}
             choice += f", without the prompt-lookup branch ({lookup_branch['skipped']})"
         else:
             # measured, not replayed: the branch's copies of the context are unknown to the recorded trees
