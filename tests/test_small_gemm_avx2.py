@@ -48,7 +48,7 @@ def test_kernel_matches_the_exact_product_to_float32_rounding(rows, n_in, bias):
 
 
 def test_a_rows_result_does_not_depend_on_the_other_rows():
-    module = linear(1536, 576, bias=True)
+    module = linear(1536, 592, bias=True)  # 37 blocks: a single row takes three a pass, and one alone
     use_small_row_kernel(module, float32=True)
     x = torch.randn(BATCH_KERNEL_ROWS, 1536)
     with small_row_kernel(BATCH_KERNEL_ROWS):
@@ -126,15 +126,16 @@ def test_int8_kernel_multiplies_float32_rows_by_the_dequantised_weights(rows, bi
     """A float32 model's int8 copy (use_int8_weights) is packed for the AVX2 kernel, which multiplies the float32
     rows (not quantised) by the int8 weights times each column's scale: to float32 rounding of that product,
     row-independent, and within int8 quantisation error of the float32 product."""
-    module = linear(608, 96, bias)  # in_features a multiple of 16: two 256-k pieces and a part
-    assert use_int8_weights(module) == 1 and module.int8_weight.shape == (96 // 16, 608, 16)
+    # in_features a multiple of 16: two 256-k pieces and a part; 10 blocks: one row takes three a pass, the rest alone
+    module = linear(608, 160, bias)
+    assert use_int8_weights(module) == 1 and module.int8_weight.shape == (160 // 16, 608, 16)
     plain, columns = quantize_weight_int8(module.weight)
     torch.testing.assert_close(module.int8_columns, columns, rtol=0, atol=0)
     x = torch.randn(rows, 608)
     ours = int8_linear(x, module.int8_weight, module.int8_columns, module.bias)
     dequantised = plain.double() * columns[0].double()[:, None]
     exact = x.double() @ dequantised.T + (module.bias.double() if bias else 0)
-    assert ours.dtype == torch.float32 and ours.shape == (rows, 96)
+    assert ours.dtype == torch.float32 and ours.shape == (rows, 160)
     bound = 608 * 2.0 ** -22 * (x.abs().amax() * dequantised.abs().amax()) + 1e-6
     assert ((ours.double() - exact).abs() <= bound).all()
     assert torch.equal(int8_linear(x[-1:], module.int8_weight, module.int8_columns, module.bias), ours[-1:])

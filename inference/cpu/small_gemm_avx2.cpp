@@ -5,9 +5,9 @@
 // bound by reading the weights once. PyTorch's float32 linear (MKL) does not stream them at that size on an AVX2
 // EPYC (SmolLM2-135M's lm_head at 8 rows: ~2.5 GB/s). The weight is packed once into 16-column blocks, each
 // stored k by k (16 floats per k), so one pass streams a block front to back while 4 rows' accumulators (16
-// with AVX512F) stay in registers; more rows take the same 256-k piece of the block again from L1. Each output
-// element is summed over k in order whatever the number of rows, so a row's result does not depend on what else
-// is in the batch.
+// with AVX512F) stay in registers; more rows take the same 256-k piece of the block again from L1; a single
+// row takes three blocks a pass. Each output element is summed over k in order whatever the number of rows, so
+// a row's result does not depend on what else is in the batch.
 //
 // Layout of `packed`: (N/16, K, 16) float; element [b, k, c] = W[16 b + c, k]. small_linear_int8 takes int8
 // weights in the same layout (a self-draft's int8 copy, one scale per output column), widened in registers.
@@ -35,6 +35,9 @@ namespace {
 
 constexpr int64_t kBlock = 16;   // output columns per block (one vector of 16 floats, or two of 8)
 constexpr int64_t kChunk = 256;  // k per pass: a block's 256 x 16 weights (16 KB float) stay in L1 for every row group
+// one row of float32 or int8 weights: this many blocks a pass, so that enough FMA chains run while the weights
+// stream (docs/results/small_gemm_avx2_row_blocks_zen3.json)
+constexpr int kRowBlocks = 3;
 
 // A block's 16 columns of one k (or of one row's sums), and the few operations the kernel needs on them. Built
 // with AVX512F (where the CPU has it), one 512-bit vector, and 32 registers hold 16 rows' sums, so that a verify
@@ -167,6 +170,29 @@ void block_dot(const float* a, int64_t lda, const Cursor& b, int64_t chunk, bool
   for (int m = 0; m < kRows; ++m) c[m].store(out + m * ldo);
 }
 
+// out (1, kRowBlocks x 16) (+)= a (1, chunk) · kRowBlocks packed blocks' chunks, each from its cursor `b[j]`
+template <typename Cursor>
+void row_dot(const float* a, const Cursor* b, int64_t chunk, bool first, float* out) {
+  static_assert(Cursor::kStep == 1, "row_dot takes float32 or int8 blocks, one k a load");
+  Columns c[kRowBlocks];
+#pragma GCC unroll 8
+  for (int j = 0; j < kRowBlocks; ++j) c[j] = first ? Columns::zero() : Columns::load(out + j * kBlock);
+  for (int64_t i = 0; i < chunk; ++i) {
+    if (i % Cursor::kPerLine == 0) {
+#pragma GCC unroll 8
+      for (int j = 0; j < kRowBlocks; ++j) _mm_prefetch(reinterpret_cast<const char*>(b[j].ahead(i)), _MM_HINT_T0);
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < kRowBlocks; ++j) {
+      Columns w;
+      b[j].load(i, &w);
+      c[j] = c[j].fma(a + i, w);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < kRowBlocks; ++j) c[j].store(out + j * kBlock);
+}
+
 // a piece of `chunk` k's of a packed block as float32 (chunk, 16) in `tile`, exactly as Cursor::load gives them
 template <typename Cursor>
 void widen(const Cursor& b, int64_t chunk, float* tile) {
@@ -200,12 +226,23 @@ void multiply(const float* a, int64_t m_total, int64_t k, Block block, int64_t b
   // order (one full group and a short one were faster widening twice)
   const bool widen_once = !std::is_same_v<Cursor, Plain<float>> && m_total >= 2 * kMaxRows;
   const int64_t n = blocks * kBlock;
+  constexpr bool plain = std::is_same_v<Cursor, Plain<float>> || std::is_same_v<Cursor, Plain<int8_t>>;
   at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
     alignas(64) float tile[kChunk * kBlock];
+    int64_t grouped = first;  // blocks before it are summed by row_dot (one row), the rest block by block
+    if constexpr (plain) {
+      for (; m_total == 1 && grouped + kRowBlocks <= last; grouped += kRowBlocks) {
+        for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
+          Cursor pieces[kRowBlocks];
+          for (int j = 0; j < kRowBlocks; ++j) pieces[j] = block(grouped + j).at(k0);
+          row_dot(a + k0, pieces, std::min(kChunk, k - k0), k0 == 0, y + grouped * kBlock);
+        }
+      }
+    }
     for (int64_t blk = first; blk < last; ++blk) {
       const int64_t col = blk * kBlock;
       const Cursor weights = block(blk);
-      for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
+      for (int64_t k0 = blk < grouped ? k : 0; k0 < k; k0 += kChunk) {
         const int64_t chunk = std::min(kChunk, k - k0);
         const auto row_groups = [&](const auto& w) {  // every group of rows times the piece `w`
           using W = std::decay_t<decltype(w)>;
