@@ -147,50 +147,36 @@ struct Q4 {
   }
 };
 
-// out (rows, 16) (+)= a (rows, chunk) · one packed block's chunk (chunk, 16); `first`: the chunk starts the sum
-template <int kRows, typename Cursor>
-void block_dot(const float* a, int64_t lda, const Cursor& b, int64_t chunk, bool first, float* out, int64_t ldo) {
+// out (rows, kBlocks x 16) (+)= a (rows, chunk) · the chunks (chunk, 16) of kBlocks packed blocks, block j's from
+// its cursor b[j] (and written at out + 16 j); `first`: the chunk starts the sum
+template <int kRows, int kBlocks, typename Cursor>
+void block_dot(const float* a, int64_t lda, const Cursor* b, int64_t chunk, bool first, float* out, int64_t ldo) {
   // every loop over the rows unrolled: then the accumulators live in registers only (with one loop left rolled,
   // GCC kept the array in memory too and stored all 8 accumulators on every k: ~1.7x slower at 8 rows)
-  Columns c[kRows];
+  Columns c[kRows][kBlocks];
 #pragma GCC unroll 16
-  for (int m = 0; m < kRows; ++m) c[m] = first ? Columns::zero() : Columns::load(out + m * ldo);
+  for (int m = 0; m < kRows; ++m)
+#pragma GCC unroll 4
+    for (int j = 0; j < kBlocks; ++j)
+      c[m][j] = first ? Columns::zero() : Columns::load(out + m * ldo + j * kBlock);
   for (int64_t i = 0; i < chunk; i += Cursor::kStep) {
-    // the weights one piece ahead (the block's next piece, or the next block's first: they follow in memory), so
-    // that they arrive while this piece is multiplied for every row group (no fault past the end: a hint)
-    if (i % Cursor::kPerLine == 0) _mm_prefetch(reinterpret_cast<const char*>(b.ahead(i)), _MM_HINT_T0);
-    Columns w[Cursor::kStep];
-    b.load(i, w);
+#pragma GCC unroll 4
+    for (int j = 0; j < kBlocks; ++j) {
+      // the weights one piece ahead (the block's next piece, or the next block's first: they follow in memory),
+      // so that they arrive while this piece is multiplied for every row group (no fault past the end: a hint)
+      if (i % Cursor::kPerLine == 0) _mm_prefetch(reinterpret_cast<const char*>(b[j].ahead(i)), _MM_HINT_T0);
+      Columns w[Cursor::kStep];
+      b[j].load(i, w);
 #pragma GCC unroll 2
-    for (int step = 0; step < Cursor::kStep; ++step)
+      for (int step = 0; step < Cursor::kStep; ++step)
 #pragma GCC unroll 16
-      for (int m = 0; m < kRows; ++m) c[m] = c[m].fma(a + m * lda + i + step, w[step]);
-  }
-#pragma GCC unroll 16
-  for (int m = 0; m < kRows; ++m) c[m].store(out + m * ldo);
-}
-
-// out (1, kRowBlocks x 16) (+)= a (1, chunk) · kRowBlocks packed blocks' chunks, each from its cursor `b[j]`
-template <typename Cursor>
-void row_dot(const float* a, const Cursor* b, int64_t chunk, bool first, float* out) {
-  static_assert(Cursor::kStep == 1, "row_dot takes float32 or int8 blocks, one k a load");
-  Columns c[kRowBlocks];
-#pragma GCC unroll 8
-  for (int j = 0; j < kRowBlocks; ++j) c[j] = first ? Columns::zero() : Columns::load(out + j * kBlock);
-  for (int64_t i = 0; i < chunk; ++i) {
-    if (i % Cursor::kPerLine == 0) {
-#pragma GCC unroll 8
-      for (int j = 0; j < kRowBlocks; ++j) _mm_prefetch(reinterpret_cast<const char*>(b[j].ahead(i)), _MM_HINT_T0);
-    }
-#pragma GCC unroll 8
-    for (int j = 0; j < kRowBlocks; ++j) {
-      Columns w;
-      b[j].load(i, &w);
-      c[j] = c[j].fma(a + i, w);
+        for (int m = 0; m < kRows; ++m) c[m][j] = c[m][j].fma(a + m * lda + i + step, w[step]);
     }
   }
-#pragma GCC unroll 8
-  for (int j = 0; j < kRowBlocks; ++j) c[j].store(out + j * kBlock);
+#pragma GCC unroll 16
+  for (int m = 0; m < kRows; ++m)
+#pragma GCC unroll 4
+    for (int j = 0; j < kBlocks; ++j) c[m][j].store(out + m * ldo + j * kBlock);
 }
 
 // a piece of `chunk` k's of a packed block as float32 (chunk, 16) in `tile`, exactly as Cursor::load gives them
@@ -205,12 +191,12 @@ void widen(const Cursor& b, int64_t chunk, float* tile) {
 }
 
 template <typename Cursor>
-using BlockDot = void (*)(const float*, int64_t, const Cursor&, int64_t, bool, float*, int64_t);
+using BlockDot = void (*)(const float*, int64_t, const Cursor*, int64_t, bool, float*, int64_t);
 
-// block_dot by row count 1..kMaxRows (entry 0 unused)
+// block_dot of one block by row count 1..kMaxRows (entry 0 unused)
 template <typename Cursor, size_t... kRows>
 constexpr std::array<BlockDot<Cursor>, kMaxRows + 1> block_dot_table(std::index_sequence<0, kRows...>) {
-  return {nullptr, block_dot<static_cast<int>(kRows), Cursor>...};
+  return {nullptr, block_dot<static_cast<int>(kRows), 1, Cursor>...};
 }
 template <typename Cursor>
 constexpr std::array<BlockDot<Cursor>, kMaxRows + 1> kBlockDot =
@@ -229,14 +215,12 @@ void multiply(const float* a, int64_t m_total, int64_t k, Block block, int64_t b
   constexpr bool plain = std::is_same_v<Cursor, Plain<float>> || std::is_same_v<Cursor, Plain<int8_t>>;
   at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
     alignas(64) float tile[kChunk * kBlock];
-    int64_t grouped = first;  // blocks before it are summed by row_dot (one row), the rest block by block
-    if constexpr (plain) {
-      for (; m_total == 1 && grouped + kRowBlocks <= last; grouped += kRowBlocks) {
-        for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
-          Cursor pieces[kRowBlocks];
-          for (int j = 0; j < kRowBlocks; ++j) pieces[j] = block(grouped + j).at(k0);
-          row_dot(a + k0, pieces, std::min(kChunk, k - k0), k0 == 0, y + grouped * kBlock);
-        }
+    int64_t grouped = first;  // one row: the blocks before it are summed kRowBlocks at a time, the rest one by one
+    for (; plain && m_total == 1 && grouped + kRowBlocks <= last; grouped += kRowBlocks) {
+      for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
+        Cursor pieces[kRowBlocks];
+        for (int j = 0; j < kRowBlocks; ++j) pieces[j] = block(grouped + j).at(k0);
+        block_dot<1, kRowBlocks>(a + k0, k, pieces, std::min(kChunk, k - k0), k0 == 0, y + grouped * kBlock, n);
       }
     }
     for (int64_t blk = first; blk < last; ++blk) {
@@ -248,7 +232,7 @@ void multiply(const float* a, int64_t m_total, int64_t k, Block block, int64_t b
           using W = std::decay_t<decltype(w)>;
           for (int64_t m0 = 0; m0 < m_total; m0 += kMaxRows) {
             const int rows_now = static_cast<int>(std::min<int64_t>(kMaxRows, m_total - m0));
-            kBlockDot<W>[rows_now](a + m0 * k + k0, k, w, chunk, k0 == 0, y + m0 * n + col, n);
+            kBlockDot<W>[rows_now](a + m0 * k + k0, k, &w, chunk, k0 == 0, y + m0 * n + col, n);
           }
         };
         const Cursor piece = weights.at(k0);
