@@ -4,10 +4,7 @@ tau and tokens/s.
     python -m inference.generate --target PATH --draft PATH --prompt "Tell me a story" \
         [--temperature 0.7 --top-p 0.9] [--max-new-tokens 128] [--device auto] [--dtype fast] [--tree auto]
 
-The prompt goes through the tokenizer's chat template when it has one (--no-chat: as raw text). It prints the
-device, dtype, tree and prompt form it runs with first (stderr). --tree auto (the default) tunes the tree for this
-target, head, machine and dtype on the first run (a notice says so, with an estimate) and reuses the choice from the
-cache folder afterwards.
+It first prints (stderr) the device, dtype, tree and prompt form that the options resolved to.
 """
 
 from __future__ import annotations

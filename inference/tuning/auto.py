@@ -18,13 +18,13 @@ import torch
 import torch.nn as nn
 
 from drafthead import DraftHead
-from drafthead.hardware import cpu_flags, synchronizer
+from drafthead.hardware import cpu_flags
 from drafthead.paths import cache_dir
 from drafthead.utils import atomic_write_json, dtype_name
 
 from ..cpu.kernels import source_digest
 from ..tree import TreeOptions
-from .budget import FULL, QUICK, TuningBudget, auto_tree
+from .budget import FULL, QUICK, TuningBudget, _median_ms, auto_tree
 
 # generic chat requests (no asset needed); the correction's answer copies its context nearly word for word, so that
 # the prompt-lookup branch has something to gain in the tuning too (docs/history.md)
@@ -125,10 +125,7 @@ def estimate_s(model: nn.Module, inputs: list[torch.Tensor], compiled: bool = Fa
     ids = inputs[0][:, :64]
     with torch.inference_mode():
         model(ids)  # the first call pays one-time setup
-        start = time.perf_counter()
-        model(ids)
-        synchronizer(ids.device)()
-    forwards = TUNING_FORWARDS * (time.perf_counter() - start)
+        forwards = TUNING_FORWARDS * _median_ms(lambda: model(ids), 1, ids.device) / 1000
     if not compiled or ids.device.type == "cuda":
         return forwards
     layers = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", 30)
@@ -158,10 +155,9 @@ def tuned_tree(model: nn.Module, head: DraftHead, tokenizer: Any, runner: Any, c
                                     draft_weights=draft_weights)
         branch = report["lookup_branch"]
         lookup = branch["tokens"] if branch and branch["chosen"] else 0
-        if options is not None:  # the chosen tree's trial rate
-            chosen = report["predicted"]["tokens_per_s"]
-        else:  # prompt lookup alone: its own rate; plain decoding: none
-            chosen = branch["tokens_per_s"]["with_lookup"] if lookup else 0.0
+        # the chosen tree's trial rate; without a tree, prompt lookup alone's (plain decoding: none)
+        chosen = report["predicted"]["tokens_per_s"] if options is not None else \
+            (branch["tokens_per_s"]["with_lookup"] if lookup else 0.0)
         cached = TunedTree(options, lookup, report["predicted_plain"]["tokens_per_s"], chosen,
                            getattr(runner, "capacity", 0))
         tree = dataclasses.asdict(options) if options else "none"

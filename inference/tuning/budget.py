@@ -264,13 +264,12 @@ def expected_tau(records_by_step: list[list[NodeRecord]], depth: int, top_k: int
     return statistics.fmean(taus) if taus else 1.0
 
 
-def prefer_smaller(measured: list[tuple], verify_size: Callable[[int], int],
-                   margin: float = LARGER_TREE_MARGIN) -> tuple:
+def prefer_smaller(measured: list[tuple], verify_size: Callable[[int], int]) -> tuple:
     """The trial's choice among ROWs: by verify size from small to large, a larger tree replaces the current choice
-    only if it measured `margin` times its tokens/s."""
+    only if it measured LARGER_TREE_MARGIN times its tokens/s."""
     best = None
     for row in sorted(measured, key=lambda r: (verify_size(r[5]), -r[0])):
-        if best is None or row[0] > margin * best[0]:
+        if best is None or row[0] > LARGER_TREE_MARGIN * best[0]:
             best = row
     return best
 
@@ -305,24 +304,19 @@ def auto_tree(
     recorder = RecordingDrafter(head, budget.calibration, draft_weights)
     calibration_runner = "auto" if static_cache_supported(model) else \
         StaticRunner(model, head.config.aux_layer_ids, buckets=(1, budget.calibration.tree_size))
-    gen = generator(model, recorder, compile=False, runner=calibration_runner)
+    with generator(model, recorder, compile=False, runner=calibration_runner) as gen:
+        outs = [gen.generate(ids, max_new_tokens=max_new_tokens) for ids in calibration_inputs]
+    getattr(calibration_runner, "close", lambda: None)()
+    overhead = statistics.median(1000 * (out.stats.total_time_s - out.stats.draft_time_s - out.stats.verify_time_s)
+                                 / max(len(out.stats.accept_lengths), 1) for out in outs)
     # the generators below: the head's draft with these weights (plain decoding's, draft None, takes no draft weights)
     generator = functools.partial(generator, draft_weights=draft_weights)
-    overhead_ms = []
-    for ids in calibration_inputs:
-        out = gen.generate(ids, max_new_tokens=max_new_tokens)
-        s = out.stats
-        overhead_ms.append(1000 * (s.total_time_s - s.draft_time_s - s.verify_time_s) / max(len(s.accept_lengths), 1))
-        last = out.sequences
-    gen.close()
-    getattr(calibration_runner, "close", lambda: None)()
-    prefix = last[:, -256:]
+    prefix = outs[-1].sequences[:, -256:]
     sizes = tuple(n for n in verify_sizes(runner) if n <= budget.max_verify) or verify_sizes(runner)[:1]
     verify_ms = measure_verify_ms(runner, prefix, sizes, reps=budget.verify_reps)
     shapes = [TreeOptions(depth=d, top_k=k, total_tokens=max(TOTALS)) for k in budget.top_ks for d in budget.depths]
     draft_ms = {(o.depth, o.top_k): ms
                 for o, ms in measure_draft_ms(runner, head, prefix, shapes, budget.draft_reps, draft_weights).items()}
-    overhead = statistics.median(overhead_ms)
 
     def verify_size(total: int) -> int:  # a tree is padded to the next measured size
         return min(n for n in verify_ms if n >= total)
@@ -385,17 +379,15 @@ def auto_tree(
                              "trial": {str(n): rates[n] for n in counts}}
             choice += (f", {'with' if chosen else 'without'} the prompt-lookup branch ({rates[best]:.1f} vs "
                        f"{rates[0]:.1f} tok/s {'alone' if options else 'plain'})")
-    gpu = TREE_PRESETS["gpu"]
-    gpu_tree = None  # the GPU preset's prediction, where the runner verifies a tree that large
-    if gpu.total_tokens <= max(verify_ms) and (gpu.depth, gpu.top_k) in draft_ms:
-        gpu_tree = dict(zip(ROW[:3], predict(gpu.depth, gpu.top_k, gpu.total_tokens)))
+    gpu = TREE_PRESETS["gpu"]  # its prediction is reported where the runner verifies a tree that large
+    gpu_fits = gpu.total_tokens <= max(verify_ms) and (gpu.depth, gpu.top_k) in draft_ms
     report = {
         "runner": type(runner).__name__,
         "chosen": {"depth": depth, "top_k": top_k, "total_tokens": total} if options else "none",
         "predicted": {"tau": tau, "step_ms": step_ms, "tokens_per_s": tps},  # step_ms measured in the trial
         "predicted_plain": {"step_ms": plain_ms, "tokens_per_s": 1000 / plain_ms},
         "trial": [dict(zip(ROW, row)) for row in sorted(measured, reverse=True)],
-        "predicted_gpu_tree": gpu_tree,
+        "predicted_gpu_tree": dict(zip(ROW[:3], predict(gpu.depth, gpu.top_k, gpu.total_tokens))) if gpu_fits else None,
         "draft_vocab": draft_vocab,  # None: not tried (no tree chosen, or no vocab_heads)
         "lookup_branch": lookup_branch,  # None: not tried (lookup_tokens 0)
         "verify_ms": {str(k): v for k, v in verify_ms.items()},
