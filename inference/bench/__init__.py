@@ -47,14 +47,10 @@ from .ties import explain_divergence
 
 
 def load_prompts(spec: str, limit: int | None, category: str | None = None) -> list[str]:
-    """'mt_bench' (first turns from the asset cache) or a JSONL file with `turns`, `prompt` or `messages`; only
-    the rows of `category` (MT-bench's `category` field, e.g. coding) when given."""
-    if spec == "mt_bench":
-        path = cache_dir() / "data" / "mt_bench.jsonl"
-        if not path.exists():
-            raise SystemExit(f"{path} missing: run `python scripts/fetch_assets.py`")
-    else:
-        path = Path(spec)
+    """First turns of 'mt_bench' (asset cache) or a JSONL file's `turns`/`prompt`/`messages`; of `category` if given."""
+    path = cache_dir() / "data" / "mt_bench.jsonl" if spec == "mt_bench" else Path(spec)
+    if spec == "mt_bench" and not path.exists():
+        raise SystemExit(f"{path} missing: run `python scripts/fetch_assets.py`")
     prompts = []
     for n, row in iter_jsonl(path):
         if category is not None and row.get("category") != category:
@@ -302,8 +298,8 @@ def load_drafts(args, model, tokenizer) -> tuple[Any, Any, Any, dict | None]:
 
 
 def run_bench(args: argparse.Namespace, on_prompt=None) -> dict:
-    """Measure every method on every prompt, interleaved; `on_prompt(result)` gets the summary so far after each
-    prompt (so a killed run keeps what it measured)."""
+    """Every method on every prompt, interleaved (plain first: the greedy reference); `on_prompt(result)` gets the
+    summary so far after each prompt, so a killed run keeps what it measured."""
     from tqdm import tqdm
 
     model, tokenizer, device, dtype = batch_bench.load_target(args)
@@ -328,31 +324,24 @@ def run_bench(args: argparse.Namespace, on_prompt=None) -> dict:
     divergences = DivergenceLog(model, head, dtype, methods[0])
     result = {}
     for i, ids in enumerate(tqdm(inputs, desc="bench", unit="prompt")):
-        measure_prompt(i, ids, methods, divergences, greedy=args.temperature == 0)
+        for m in methods:
+            start = time.perf_counter()
+            tokens, stats = m.run(ids)
+            wall = time.perf_counter() - start
+            row = {"prompt": i, "new_tokens": len(tokens), "wall_s": wall, "tokens_per_s": len(tokens) / wall}
+            if stats is not None:
+                row["stats"] = stats.to_dict()
+            if m.name == "plain":
+                plain_tokens = tokens
+            elif args.temperature == 0:
+                row["greedy_match"] = tokens == plain_tokens
+                if tokens != plain_tokens:
+                    divergences.add(i, ids, m, tokens, plain_tokens)
+            m.rows.append(row)
         result = assemble(args, device, dtype, inputs[: i + 1], methods, divergences.mismatches, setup)
         if on_prompt is not None:
             on_prompt(result)
     return result
-
-
-def measure_prompt(i: int, ids: torch.Tensor, methods: list[Method], divergences: "DivergenceLog",
-                   greedy: bool) -> None:
-    """Run and time every method on one prompt (plain first); greedy divergences from plain go to `divergences`."""
-    plain_tokens = None
-    for m in methods:
-        start = time.perf_counter()
-        tokens, stats = m.run(ids)
-        wall = time.perf_counter() - start
-        row = {"prompt": i, "new_tokens": len(tokens), "wall_s": wall, "tokens_per_s": len(tokens) / wall}
-        if stats is not None:
-            row["stats"] = stats.to_dict()
-        if m.name == "plain":
-            plain_tokens = tokens
-        elif greedy:
-            row["greedy_match"] = tokens == plain_tokens
-            if tokens != plain_tokens:
-                divergences.add(i, ids, m, tokens, plain_tokens)
-        m.rows.append(row)
 
 
 class DivergenceLog:
@@ -366,8 +355,7 @@ class DivergenceLog:
 
     def add(self, i: int, ids: torch.Tensor, method: Method, tokens: list[int], plain_tokens: list[int]) -> None:
         if self.reference is None and self.dtype != torch.float32:
-            # (nn.Module's own float(): transformers' refuses a model loaded from a GGUF file)
-            self.reference = torch.nn.Module.float(copy.deepcopy(self.model))
+            self.reference = torch.nn.Module.float(copy.deepcopy(self.model))  # transformers' float() refuses GGUF
             if self.head is not None:
                 self.reference_head = copy.deepcopy(self.head).float().attach_target(self.reference)
         prompt_ids = ids[0].tolist()
@@ -390,7 +378,6 @@ def assemble(args, device, dtype, inputs, methods: list[Method], mismatches: lis
     if main_name not in summaries:  # no head: the first drafting method
         main_name = next((m.name for m in methods if m.generator is not None and m.name != "engine_plain"),
                          "engine_plain" if "engine_plain" in summaries else "plain")
-    main = summaries[main_name]
     tps = {name: s["tokens_per_s"] for name, s in summaries.items()}
     ratio = lambda a, b: tps[a] / tps[b] if a in tps and b in tps else None  # noqa: E731
 
@@ -419,13 +406,13 @@ def assemble(args, device, dtype, inputs, methods: list[Method], mismatches: lis
         "temperature": args.temperature,
         **setup,
         "main_method": main_name,
-        "speedup": main.get("speedup", 1.0),
+        "speedup": summaries[main_name].get("speedup", 1.0),
         "speedup_vs_engine_plain": ratio(main_name, "engine_plain"),
-        "engine_plain_speedup": summaries["engine_plain"]["speedup"] if "engine_plain" in summaries else None,
+        "engine_plain_speedup": ratio("engine_plain", "plain"),
         "speedup_vs_prompt_lookup": ratio(main_name, "prompt_lookup"),
         "hybrid_vs_best_single": ratio("hybrid", best_single) if best_single else None,
         "best_single_drafter": best_single,
-        "tau": main.get("tau"),
+        "tau": summaries[main_name].get("tau"),
         "tokens_per_s": tps,
         "greedy_match": (sum(r["greedy_match"] for r in greedy_rows) / len(greedy_rows)) if greedy_rows else None,
         "greedy_divergences": {"near_tie": len(near_ties), "float32_replay_match": len(replayed),
@@ -434,36 +421,30 @@ def assemble(args, device, dtype, inputs, methods: list[Method], mismatches: lis
         "methods": summaries,
         "per_prompt": {m.name: list(m.rows) for m in methods},
     }
-    for m in methods:
-        if m.name.startswith("speculative_") and m.name != f"speculative_{args.tree}":
-            result[f"tau_{m.name.removeprefix('speculative_')}_tree"] = summaries[m.name].get("tau")
+    result.update({f"tau_{name.removeprefix('speculative_')}_tree": s.get("tau") for name, s in summaries.items()
+                   if name.startswith("speculative_") and name != f"speculative_{args.tree}"})
     return result
 
 
 def plot(result: dict, path: Path) -> None:
     """Speedup per method and the accepted-length histogram of each speculative method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: nothing needs a display or keeps the figure alive
 
     methods = result["methods"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4), layout="tight")
+    ax1, ax2 = fig.subplots(1, 2)
     ax1.bar(list(methods), [s.get("speedup", 1.0) for s in methods.values()], color="tab:blue")
     ax1.axhline(1.0, color="grey", lw=0.8)
     ax1.set_ylabel("speedup vs plain generate")
     ax1.set_title(f"{result['prompts']} prompts, {result['dtype']}, T={result['temperature']}")
-    plt.setp(ax1.get_xticklabels(), rotation=30, ha="right")
+    ax1.set_xticks(range(len(methods)), list(methods), rotation=30, ha="right")
     for name, s in methods.items():
         hist = s.get("accept_histogram")
-        if hist:
+        if hist:  # sorted by length (stats.accept_histogram)
             total = sum(hist.values())
-            keys = sorted(int(k) for k in hist)
-            ax2.plot(keys, [hist[k] / total for k in keys], marker="o", label=f"{name} (τ={s['tau']:.2f})")
-    ax2.set_xlabel("tokens per verification (accepted + bonus)")
-    ax2.set_ylabel("share of steps")
+            ax2.plot(list(hist), [n / total for n in hist.values()], marker="o", label=f"{name} (τ={s['tau']:.2f})")
+    ax2.set(xlabel="tokens per verification (accepted + bonus)", ylabel="share of steps")
     ax2.legend()
-    fig.tight_layout()
     atomic_write_bytes(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
 
 

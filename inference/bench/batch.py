@@ -114,8 +114,7 @@ def run_group(runner: StaticRunner, drafters: dict, rows: list[Request], max_new
     b = ids.shape[0]
     mask = torch.ones_like(ids)
     params = SamplingParams()
-    longest = max(len(row.ids) for row in [*rows, *waiting])
-    length = longest + max_new + max(d.tree_size for d in drafters.values())
+    length = max(len(row.ids) for row in [*rows, *waiting]) + max_new + max(d.tree_size for d in drafters.values())
     features = torch.stack([row.features for row in rows]) if rows[0].features is not None else None
     prefilled = (torch.stack([row.logits for row in rows]), features)
     out = {}
@@ -216,8 +215,7 @@ def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
               "methods": {n: BATCH_METHODS[n] for n in names}, "cells": []}
     for context in args.contexts:
         distinct = max(args.batch_sizes) if args.continuous else max(max(args.batch_sizes), args.prompts_per_cell)
-        prompts = long_prompts(tokenizer, context, distinct, task=args.task)
-        rows, seconds = prefill_rows(runner, prompts)
+        rows, seconds = prefill_rows(runner, long_prompts(tokenizer, context, distinct, task=args.task))
         result.setdefault("prefill", {})[str(context)] = {"prompts": len(rows), "seconds": round(seconds, 1),
                                                           "tokens_per_s": len(rows) * context / seconds}
         print(f"context {context}: prefilled {len(rows)} prompts in {seconds:.0f} s", flush=True)
@@ -243,16 +241,13 @@ def run_batch_bench(args: argparse.Namespace, on_cell=None) -> dict:
 
 
 def plot_grid(result: dict, path: Path) -> None:
-    """Speedup over plain batched decoding vs batch size: a panel per method, a line per context (dotted, where the
-    JSON has it: the steps with every row busy)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Speedup over plain batching vs batch size: a panel per method, a line per context (dotted: every row busy)."""
+    from matplotlib.figure import Figure  # no pyplot: nothing needs a display or keeps the figure alive
 
     names = [n for n in result["methods"] if n != "plain"]
     contexts = sorted({c["context"] for c in result["cells"]})
-    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False, sharey=True)
+    fig = Figure(figsize=(4.2 * len(names), 3.6), layout="tight")
+    axes = fig.subplots(1, len(names), squeeze=False, sharey=True)
     for ax, name in zip(axes[0], names):
         for context in contexts:
             cells = sorted((c for c in result["cells"] if c["context"] == context), key=lambda c: c["batch"])
@@ -264,13 +259,11 @@ def plot_grid(result: dict, path: Path) -> None:
                 ax.plot(batches, busy, ls=":", marker=".", color=line.get_color())
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.set_xscale("log", base=2)
-        ax.set_title(name)
-        ax.set_xlabel("batch size")
+        ax.set(title=name, xlabel="batch size")
     axes[0][0].set_ylabel("speedup over plain batched decoding")
     axes[0][-1].legend()
     fig.suptitle(f"{Path(result['target']).name}, {result['dtype']}, {result['max_new_tokens']} new tokens "
                  "(dotted: while every row of the batch is busy)")
-    fig.tight_layout()
     atomic_write_bytes(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
 
 

@@ -24,12 +24,9 @@ def _conversation_text(path: Path, n: int, row: Any) -> str:
     turns = row.get("conversations") if isinstance(row, dict) else None
     if not isinstance(turns, list):
         raise ValueError(f"{path}:{n}: expected an object with a 'conversations' list")  # noqa: TRY004 (bad data)
-    parts = []
-    for turn in turns:
-        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
-            raise ValueError(f"{path}:{n}: each turn must be an object with a string 'value'")  # noqa: TRY004
-        parts.append(f"{SPEAKERS.get(turn.get('from'), 'Assistant')}: {turn['value'].strip()}")
-    return "\n\n".join(parts)
+    if not all(isinstance(turn, dict) and isinstance(turn.get("value"), str) for turn in turns):
+        raise ValueError(f"{path}:{n}: each turn must be an object with a string 'value'")  # noqa: TRY004
+    return "\n\n".join(f"{SPEAKERS.get(turn.get('from'), 'Assistant')}: {turn['value'].strip()}" for turn in turns)
 
 
 def long_documents(path: Path | None = None, min_chars: int = 20000, limit: int | None = None) -> list[str]:
@@ -41,8 +38,7 @@ def long_documents(path: Path | None = None, min_chars: int = 20000, limit: int 
     seen: set[bytes] = set()  # digests of conversations already used (ShareGPT repeats some)
     singles: list[str] = []
     joined: list[str] = []
-    run: list[str] = []
-    run_chars = 0
+    run: list[str] = []  # short conversations to be joined
     for n, row in iter_jsonl(path, error=ValueError):
         text = _conversation_text(path, n, row)
         digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
@@ -53,10 +49,9 @@ def long_documents(path: Path | None = None, min_chars: int = 20000, limit: int 
             singles.append(text)
             continue
         run.append(text)
-        run_chars += len(text) + 2
-        if run_chars >= min_chars:
+        if sum(len(t) + 2 for t in run) >= min_chars:
             joined.append("\n\n".join(run))
-            run, run_chars = [], 0
+            run = []
     # sorted() is stable with reverse=True: equal lengths keep file order
     return (sorted(singles, key=len, reverse=True) + sorted(joined, key=len, reverse=True))[:limit]
 
@@ -75,8 +70,10 @@ def _fit(tokenizer: Any, doc_ids: list[int], instruction: str, context: int, ove
         cut = tokenizer.decode(doc_ids[:k], clean_up_tokenization_spaces=False).rstrip().rstrip("\ufffd").rstrip()
         return chat_token_ids(tokenizer, f"{cut}\n\n{instruction}")
 
-    tried: set[int] = set()
     k = context - overhead
+    if len(doc_ids) < k:
+        return None
+    tried: set[int] = set()
     while len(tried) < 6 and k not in tried and 0 < k <= len(doc_ids):
         tried.add(k)
         ids = prompt(k)
@@ -106,10 +103,7 @@ def long_prompts(tokenizer: Any, context: int, count: int, path: Path | None = N
         text = doc[:12 * context]  # enough text for `context` tokens in any language; tokenized in one call
         if any(s in text for s in specials):  # e.g. a literal "<|im_end|>" would read as a control token
             continue
-        doc_ids = tokenizer(text, add_special_tokens=False).input_ids
-        if len(doc_ids) < context - overhead:
-            continue
-        ids = _fit(tokenizer, doc_ids, instruction, context, overhead)
+        ids = _fit(tokenizer, tokenizer(text, add_special_tokens=False).input_ids, instruction, context, overhead)
         if ids is None or ids in prompts:
             continue
         prompts.append(ids)

@@ -24,9 +24,7 @@ def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
     a, b = a.reshape(-1), b.reshape(-1)
     n = min(a.numel(), b.numel())
     diff = (a[:n] != b[:n]).nonzero()
-    if diff.numel():
-        return int(diff[0, 0])
-    return None if a.numel() == b.numel() else n
+    return int(diff[0, 0]) if diff.numel() else (None if a.numel() == b.numel() else n)
 
 
 @dataclass

@@ -1,5 +1,4 @@
-"""A GGUF target's own quantized weights (Q8_0, Q6_K, Q5_0, Q4_0, Q4_1, Q4_K) in the decoding steps, lossless
-against its dequantized model.
+"""A GGUF target's own quantized weights (Q8_0, Q6_K, Q5_0, Q4_0, Q4_1, Q4_K) in decoding steps, lossless.
 
 transformers loads a GGUF file as a float32 model of dequantized weights. `use_gguf_weights(model, path)` gives each
 linear whose weight a tensor of the file in one of these formats dequantizes to exactly (rows matched: llama.cpp's q/k
@@ -37,8 +36,7 @@ def _column_blocks(a: np.ndarray) -> np.ndarray:
 
 
 def _q8(q: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """q (N, K) int8, d (N, K/G) float32 (w = q · d, G = 32 or 16) -> (q (N/16, K, 16), d (N/16, K/G, 16)) in
-    small_linear_q's 8-bit layout."""
+    """q (N, K) int8, d (N, K/G) float32 (w = q · d, G = 32 or 16) -> small_linear_q's 8-bit layout."""
     return np.ascontiguousarray(_column_blocks(q)), np.ascontiguousarray(_column_blocks(d))
 
 
@@ -63,8 +61,7 @@ def _q8_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _q5_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(N, K/32 · 22) Q5_0 bytes: per 32 weights a half d, the 32 high bits, then the low nibbles; w = d · (q - 16),
-    an int8 in the 8-bit layout."""
+    """(N, K/32 · 22) Q5_0 bytes: per 32 weights a half d, the 32 high bits, then the low nibbles; w = d · (q - 16)."""
     b = blocks.reshape(len(blocks), -1, 22)
     high = (b[..., 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1  # bit j: weight j
     q = (_low_high(b[..., 6:]) | (high.astype(np.uint8) << 4)).astype(np.int8) - 16
@@ -85,8 +82,8 @@ def _q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(N, K/256 · 144) Q4_K bytes: per 256 weights a half d and dmin, a 6-bit scale and minimum for each 32, then 4-bit
-    q; w = (d · scale) · q - dmin · minimum: the 4-bit layout with d · scale and -dmin · minimum (both exact) per 32."""
+    """(N, K/256 · 144) Q4_K bytes: per 256 weights a half d and dmin, a 6-bit scale and minimum for each 32, then
+    4-bit q; w = (d · scale) · q - dmin · minimum: the 4-bit layout with d · scale and -dmin · minimum (exact)."""
     import gguf
 
     n = blocks.shape[0]
@@ -138,9 +135,8 @@ def eligible(module: nn.Module) -> bool:
 @torch.inference_mode(False)  # as small_gemm.use_small_row_kernel's copies
 @torch.no_grad()
 def use_gguf_weights(model: nn.Module, path: str | Path) -> int:
-    """Attach to each eligible linear of `model` (loaded from the GGUF file at `path`) the repacked blocks (Q8_0, Q6_K,
-    Q5_0, Q4_0, Q4_1, Q4_K) its weight is the exact dequantization of, as buffers `qpacked` and `qparams`. Returns how
-    many linears have them; 0 on a CPU without AVX2 (nothing changes there)."""
+    """Attach to each eligible linear of `model` (loaded from the GGUF file at `path`) the repacked blocks its weight
+    is the exact dequantization of, as buffers `qpacked` and `qparams`. Returns how many have them (0 without AVX2)."""
     import gguf
 
     from drafthead.export_gguf import read_gguf

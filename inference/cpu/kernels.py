@@ -63,7 +63,6 @@ def build_folder(name: str, paths: list[Path], flags: list[str]) -> Path:
 
 
 def _add_files(digest, paths: list[Path]) -> None:
-    """Feed each file's name and bytes to `digest`."""
     for path in paths:
         digest.update(path.name.encode() + path.read_bytes())
 
@@ -109,11 +108,12 @@ def source_digest() -> str:
     return digest.hexdigest()[:12]
 
 
-def _register_fakes(namespace: str, block: int) -> None:
-    """The output shapes of one kernel library's ops, for torch.compile's tracing (`block`: its output columns a
-    packed weight row)."""
+def _load(name: str, paths: list[Path], flags: list[str], what: str, namespace: str, block: int) -> bool:
+    """_build, then register the output shapes of library `namespace`'s ops for torch.compile's tracing."""
+    if not _build(name, paths, flags, what):
+        return False
 
-    def linear(x, packed, *args, **kwargs):  # small_linear, small_linear_int8, small_linear_q
+    def linear(x, packed, *args, **kwargs):  # small_linear(_int8, _q): `block` output columns a packed weight row
         return x.new_empty(*x.shape[:-1], packed.shape[0] * block)
 
     for op in ("small_linear", "small_linear_int8") + (("small_linear_q",) if namespace == "drafthead_avx2" else ()):
@@ -123,30 +123,24 @@ def _register_fakes(namespace: str, block: int) -> None:
     def _(query, key, value, mask, scaling, length, rows):
         return query.new_empty(query.transpose(1, 2).shape)  # (B, n, heads, D)
 
+    return True
+
 
 @functools.cache
 def kernels_available() -> bool:
-    """True once the bf16 kernels are built and loaded; builds them on the first call where the CPU has AVX512-BF16
-    (with AMX where it has that too)."""
+    """True once the bf16 kernels are built and loaded (on the first call, where the CPU has AVX512-BF16)."""
     if "avx512_bf16" not in cpu_flags():  # (every CPU with AVX512-BF16 also has AVX512-VNNI, used for int8)
         return False
     flags = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]
     if "amx_bf16" in cpu_flags():  # small_linear multiplies with AMX tiles (small_gemm.cpp)
         flags += ["-mamx-tile", "-mamx-bf16"]
-    if not _build("drafthead_cpu_kernels", SOURCES, flags, "AVX512-BF16"):
-        return False
-    _register_fakes("drafthead_kernels", BLOCK)
-    return True
+    return _load("drafthead_cpu_kernels", SOURCES, flags, "AVX512-BF16", "drafthead_kernels", BLOCK)
 
 
 @functools.cache
 def avx2_kernels_available() -> bool:
-    """True once the float32 AVX2 kernels are built and loaded; builds them on the first call where the CPU has
-    AVX2 and FMA (with AVX512F where it has that too)."""
+    """True once the float32 kernels are built and loaded (on the first call, where the CPU has AVX2 and FMA)."""
     if "avx2" not in cpu_flags():  # (every x86 CPU with AVX2 has FMA too: Haswell, Zen)
         return False
     flags = ["-mavx2", "-mfma"] + (["-mavx512f"] if "avx512f" in cpu_flags() else [])  # 16 rows a pass, not 4
-    if not _build("drafthead_avx2_kernels", AVX2_SOURCES, flags, "AVX2"):
-        return False
-    _register_fakes("drafthead_avx2", FLOAT_BLOCK)
-    return True
+    return _load("drafthead_avx2_kernels", AVX2_SOURCES, flags, "AVX2", "drafthead_avx2", FLOAT_BLOCK)

@@ -1,11 +1,10 @@
 """Small-row GEMM kernels for the few rows of a decoding step (small_gemm.cpp: bf16 with AVX512-BF16;
 small_gemm_avx2.cpp: float32 with AVX2 + FMA), and the linear layers that use them.
 
-Such a step is bound by reading every weight once, which PyTorch's linears do not do at that size
-(docs/results/HISTORY.md). Each output is
-summed in the same order whatever the number of rows, so a token's logits do not depend on the tree verified beside
-it. `use_small_row_kernel(model)` turns linears into `SmallRowLinear` in place (same parameters and state dict, plus
-a packed copy of each weight): the kernel inside `small_row_kernel(max_rows)`, exactly nn.Linear elsewhere.
+Such a step is bound by reading each weight once, which PyTorch's linears do not at that size (docs/results/HISTORY.md).
+Each output is summed in the same order whatever the number of rows, so a token's logits do not depend on the tree
+verified beside it. `use_small_row_kernel(model)` turns linears into `SmallRowLinear` in place (same parameters and
+state dict, plus packed copies): the kernel inside `small_row_kernel(max_rows)`, exactly nn.Linear elsewhere.
 """
 
 from __future__ import annotations
@@ -45,8 +44,7 @@ def _hold(modules: list[nn.Module], kind: str) -> None:
 
 
 def eligible(module: nn.Module, float32: bool = False) -> bool:
-    """A CPU nn.Linear whose shape and dtype a kernel this CPU runs takes: bf16 with AVX512-BF16 (out_features a
-    multiple of 32, in_features even), and with `float32` float32 with AVX2 (out_features a multiple of 16)."""
+    """A CPU nn.Linear whose shape and dtype a kernel of this CPU takes (float32 ones only with `float32`)."""
     if not isinstance(module, nn.Linear) or module.weight.device.type != "cpu":
         return False
     n, k = module.weight.shape
@@ -85,8 +83,7 @@ def live_entries(entries: int):
 
 
 class SmallRowLinear(nn.Linear):
-    """nn.Linear that multiplies small inputs with the packed kernel inside small_row_kernel() (and with its int8
-    copy inside int8_weights(), when it has one)."""
+    """nn.Linear multiplying small inputs with its packed kernel in small_row_kernel(), int8 copy in int8_weights()."""
 
     packed: torch.Tensor
     int8_weight: torch.Tensor | None  # buffers (None until use_int8_weights gives the module its int8 copy)
@@ -130,9 +127,8 @@ DRAFT_WEIGHTS = ("auto", "same", "int8")  # what a drafter multiplies with: its 
 
 def int8_drafting(model: nn.Module, weights: str, auto_int8: bool = False) -> bool:
     """A drafter's `weights` (DRAFT_WEIGHTS) on `model`: "int8" gives it its int8 copies (use_int8_weights; release
-    them with release_kernels(model, "int8")); "auto" does so where `auto_int8` and the weight-only kernel multiplies
-    them (float32 weights on an AVX2 CPU: the draft's activations stay float32), else it is "same". Returns whether
-    the draft multiplies with int8 copies."""
+    them with release_kernels(model, "int8")); "auto" does so where `auto_int8` and the weight-only kernel takes them
+    (float32 weights on an AVX2 CPU), else it is "same". Returns whether the draft multiplies with int8 copies."""
     if weights not in DRAFT_WEIGHTS:
         raise ValueError(f"draft weights must be one of {DRAFT_WEIGHTS}, got {weights!r}")
     if weights == "auto":
@@ -194,10 +190,9 @@ def _sibling_groups(model: nn.Module, linears: list[nn.Linear]) -> list[list[nn.
 @torch.inference_mode(False)  # as use_small_row_kernel's copies
 @torch.no_grad()
 def use_int8_weights(model: nn.Module) -> int:
-    """Give every linear of `model` whose shape allows it (out_features a multiple of 32, in_features of 16) an
-    int8 copy of its weight, used only inside int8_weights(): packed for the kernel where one runs (bf16 with
-    AVX512-BF16; float32 with AVX2, weight-only), plain int8 elsewhere; siblings back to back in one buffer (for
-    FuseSiblingLinears). Parameters and state dict unchanged. Returns how many linears have one."""
+    """Give every linear of `model` whose shape allows it an int8 copy of its weight, used only inside int8_weights():
+    packed for the kernel where one runs (bf16 with AVX512-BF16; float32 with AVX2, weight-only), else plain int8;
+    siblings back to back in one buffer (FuseSiblingLinears); parameters and state dict unchanged. Returns the count."""
     linears = [m for m in model.modules()
                if isinstance(m, nn.Linear) and not m.out_features % BLOCK and not m.in_features % 16]
     for group in _sibling_groups(model, [m for m in linears if getattr(m, "int8_weight", None) is None]):
@@ -220,9 +215,8 @@ def use_int8_weights(model: nn.Module) -> int:
     return len(linears)
 
 
-# The copies are constants of the compiled steps, and inductor's cache key for a graph records whether each one was
-# made under inference mode: made outside it whatever the caller's mode, they key alike in every process (a tuning
-# process builds its drafters under inference mode, a later one does not).
+# The copies are constants of the compiled steps, and inductor's cache key records whether each was made under
+# inference mode: made outside it, they key alike in every process (a tuning process builds its drafters in it).
 @torch.inference_mode(False)
 @torch.no_grad()
 def use_small_row_kernel(model: nn.Module, float32: bool = False) -> int:
@@ -234,8 +228,6 @@ def use_small_row_kernel(model: nn.Module, float32: bool = False) -> int:
             # a deepcopy of a converted linear holds the original's copies, perhaps of another dtype: convert anew
             _unconvert(module, nn.Linear)
     linears = [m for m in model.modules() if isinstance(m, SmallRowLinear) or eligible(m, float32)]
-    if not linears:
-        return 0
     for group in _sibling_groups(model, [m for m in linears if getattr(m, "packed", None) is None]):
         bf16 = group[0].weight.dtype == torch.bfloat16  # the op library packing its weights, its columns a block
         kernels, block = (torch.ops.drafthead_kernels, BLOCK) if bf16 else (torch.ops.drafthead_avx2, FLOAT_BLOCK)

@@ -15,9 +15,8 @@ from transformers import AttentionInterface
 from ..cpu.kernels import avx2_kernels_available, kernels_available
 
 NAME = "drafthead_matmul"
-# Inside a compiled step, query blocks up to this size are traced (attend() inline, fused by the compiler) rather
-# than calling the opaque prefix_attention op; larger blocks and calls with `rows` keep the op, which slices to the
-# used prefix and skips the rows not in use (docs/results/HISTORY.md).
+# Inside a compiled step, query blocks up to this size are traced (attend(), fused by the compiler); larger blocks and
+# calls with `rows` keep the opaque prefix_attention op, reading only the used slots and rows (docs/results/HISTORY.md).
 TRACED_MAX_QUERIES = 16
 PREFILL_NAME = "drafthead_sdpa_prefix"
 
@@ -86,8 +85,7 @@ _KERNEL_OPS: dict[torch.dtype, object] = {}  # filled by kernel_op, read by kern
 
 
 def kernel_op(dtype: torch.dtype):
-    """The prefix-attention kernel for `dtype` on this CPU (bf16: AVX512-BF16, float32: AVX2), or None; built on
-    first use (when a runner is set up, before any step is traced)."""
+    """The prefix-attention kernel for `dtype` on this CPU, or None; built on first use (before any step is traced)."""
     if dtype == torch.bfloat16 and kernels_available():
         _KERNEL_OPS[dtype] = torch.ops.drafthead_kernels.prefix_attention
     if dtype == torch.float32 and avx2_kernels_available():
@@ -120,8 +118,7 @@ AttentionInterface.register(KERNEL_NAME, kernel_attention)
 def prefix_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
                           drafthead_kv_length: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """PyTorch SDPA over the used prefix of a preallocated buffer only: for long query blocks (a prompt's chunks)
-    (docs/results/HISTORY_LONG_CONTEXT.md)."""
+    """SDPA over the used prefix of a buffer only, for a prompt's chunks (docs/results/HISTORY_LONG_CONTEXT.md)."""
     used = int(drafthead_kv_length) if drafthead_kv_length is not None else key.shape[2]
     key, value = key[:, :, :used], value[:, :, :used]
     mask = attention_mask[..., :used] if attention_mask is not None else None
@@ -134,8 +131,7 @@ AttentionInterface.register(PREFILL_NAME, prefix_sdpa_attention)
 
 
 def kv_length_kwargs(model: nn.Module, kv_length: int | torch.Tensor | None, rows: torch.Tensor | None = None) -> dict:
-    """The forward kwargs telling this project's attention kernels the used slots of a buffer and the leading rows
-    in use (empty when `model` dispatches attention elsewhere; a None entry is left out)."""
+    """The forward kwargs telling this project's attention kernels the used slots of a buffer and the rows in use."""
     implementation = model.config._attn_implementation
     kwargs = {}
     if kv_length is not None and implementation in (NAME, KERNEL_NAME, PREFILL_NAME):
@@ -147,8 +143,7 @@ def kv_length_kwargs(model: nn.Module, kv_length: int | torch.Tensor | None, row
 
 def decoding_attention(device: torch.device, dtype: torch.dtype, compiled: bool = False) -> str | None:
     """The attention the static runner's decoding steps dispatch to: the C++ kernel for its dtype where the CPU has
-    one, the matmuls where they beat SDPA (CPU in bf16/fp16, or in any dtype traced and fused in compiled steps),
-    else None (the model's own)."""
+    one, the matmuls where they beat SDPA (a CPU's bf16/fp16 or compiled steps), else None (the model's own)."""
     if device.type == "cpu" and kernel_op(dtype) is not None:
         return KERNEL_NAME
     return NAME if device.type == "cpu" and (compiled or dtype in (torch.bfloat16, torch.float16)) else None

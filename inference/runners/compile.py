@@ -35,15 +35,12 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
                  unguarded: tuple[str, ...] = (), dynamic: dict[int, int] | None = None):
     """torch.compile for a fixed-shape decoding step: CUDA graphs on CUDA; on CPU inductor with frozen weights and
     linears sharing an input concatenated. Run the step inside scoped_settings (a runner's session).
-    `small_gemm` (CPU, a few rows whose linears do not run small_gemm.py's kernel): inductor's own C++ GEMMs,
-    which stream a few rows' weights faster than oneDNN.
+    `small_gemm` (CPU, a few rows not on small_gemm.py's kernel): inductor's own C++ GEMMs, faster than oneDNN there.
     `cpp_wrapper` (CPU): calls made from generated C++, which pays for steps of many small kernels (drafting;
-    docs/results/HISTORY_LONG_CONTEXT.md).
-    `name` tells the compiled copies apart in profiles.
+    docs/results/HISTORY_LONG_CONTEXT.md). `name` tells the compiled copies apart in profiles.
     `unguarded`: attribute paths of `fn`'s self (e.g. "self.cache") whose guards are skipped: objects the caller
     never swaps while the step lives, or whose step it releases (release_steps) when it does.
-    `dynamic` (CPU): {argument index: dimension} kept symbolic (marked at every call): one graph for all their
-    sizes; every other dimension is fixed."""
+    `dynamic` (CPU): {argument index: dimension} kept symbolic (marked at every call): one graph for all sizes."""
 
     # the model is frozen and each runner compiles its own code (own_code): skip its parameters' guards
     def guard_filter(entries):

@@ -22,6 +22,8 @@ from ..drafter import Accepted
 class EagerRunner:
     """Owns the target's KV cache for one row. `feature_layers`: decoder-layer outputs the head reads."""
 
+    batch = 1
+
     def __init__(self, model: nn.Module, feature_layers: list[int]):
         self.model = model
         self.cache_argument = cache_argument(model)
@@ -30,6 +32,7 @@ class EagerRunner:
         self.close = weakref.finalize(self, self.capture.detach)  # the hooks go with the runner, or on close()
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
+        self.start = torch.zeros(1, dtype=torch.long, device=self.device)  # one row, from slot 0
         self.cache = DynamicCache()
         self.capacity = 0
         config = model.config.get_text_config(decoder=True)
@@ -48,18 +51,10 @@ class EagerRunner:
         return contextlib.nullcontext()
 
     @property
-    def batch(self) -> int:
-        return 1
-
-    @property
     def length(self) -> torch.Tensor:
         return torch.tensor([self.cache.get_seq_length()], device=self.device)
 
     positions = length  # one row from position 0: its next position is its length
-
-    @property
-    def start(self) -> torch.Tensor:
-        return torch.zeros(1, dtype=torch.long, device=self.device)
 
     def _forward(self, input_ids, position_ids, attention_mask, logits_to_keep: int = 0):
         with self.capture as cap:

@@ -1,8 +1,5 @@
 """Preallocated KV buffers: transformers' StaticCache with every layer in one tensor, and per-row slots (rows of a
 batch advance by different amounts, so their entries sit at different slots of a fixed buffer).
-
-Two SlotMap layouts: full, position p at slot p; streaming (StreamingLLM; Xiao et al. 2023), the first `sink` positions
-at slots 0..sink-1, each later one in a ring of `window` slots after them, so the buffer never grows with the context.
 """
 
 from __future__ import annotations
@@ -16,7 +13,9 @@ from transformers import StaticCache
 
 @dataclass(frozen=True)
 class SlotMap:
-    """Positions -> slots of a buffer: full (window None) or sink + ring of `window` slots."""
+    """Positions -> slots of a buffer: full (window None), position p at slot p; or streaming (StreamingLLM; Xiao et
+    al. 2023), the first `sink` positions at slots 0..sink-1, each later one in a ring of `window` slots after them,
+    so the buffer never grows with the context."""
 
     sink: int = 0
     window: int | None = None
@@ -82,8 +81,7 @@ def static_cache_supported(model: nn.Module) -> str | None:
 
 
 def buffer_capacity(need: int) -> int:
-    """Slots of a KV buffer holding `need` tokens, kept tight (attention may read all of it): the next multiple of
-    CAPACITY_STEP, at least MIN_CAPACITY."""
+    """Slots of a KV buffer holding `need` tokens, kept tight (attention may read all of it)."""
     return max(MIN_CAPACITY, -(-need // CAPACITY_STEP) * CAPACITY_STEP)
 
 

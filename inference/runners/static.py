@@ -6,9 +6,8 @@ Layout of one row in the (B, kv_heads, capacity, head_dim) buffers (kv.static_ca
     [ left padding | committed tokens: slots start_i .. length_i-1 | hole | tree: W .. W+n-1 | ... | scratch ]
 
 verify() writes every row's tree at W = max_i length_i (per-row positions and 4D mask), padded to a bucket: one
-compiled graph per bucket and buffer shape (on a CPU, one row's buckets on the small-row kernel share one).
-commit() copies each row's accepted nodes down to its length, so the hole never outlives a step. The rows in use
-are always the leading ones; the lengths are mirrored on the host.
+compiled graph per bucket and buffer shape. commit() copies each row's accepted nodes down to its length, so the
+hole never outlives a step. The rows in use are always the leading ones; the lengths are mirrored on the host.
 """
 
 from __future__ import annotations
@@ -53,8 +52,7 @@ def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
 
 
 class StaticRunner:
-    """The target runner over preallocated KV buffers (see the module docstring). `feature_layers`: decoder-layer
-    outputs the head reads ([] for none)."""
+    """The target runner over preallocated KV buffers; `feature_layers`: decoder-layer outputs the head reads."""
 
     def __init__(self, model: nn.Module, feature_layers: list[int], compile: bool = False,
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS):
@@ -67,7 +65,6 @@ class StaticRunner:
         self.capture = HiddenStateCapture(model, self.feature_layers).attach() if self.feature_layers else None
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
-        # the attention kernel of the sessions, and whether the linears multiply a step's rows with small_gemm's
         self.attention = decoding_attention(self.device, self.dtype, compile)
         self.small_rows = use_small_row_kernel(model, float32=True) > 0
         self.quantized = has_gguf_weights(model)  # a GGUF target's own blocks (cpu/gguf_weights.py)
@@ -77,41 +74,31 @@ class StaticRunner:
         self.shapes: set[tuple[int, int, int]] = set()  # (rows, capacity, bucket) of every step used
         self._steps: dict[int | str, Callable] = {}  # bucket (or "shared") -> a verify step of the current buffers
         self.cache: StaticCache | None = None
-        self.capacity = 0
+        self.rows = 0  # rows of the buffers (the batch the runner was reset for)
+        self.capacity = self.scratch = 0  # scratch: the last slot, which no row reads (padded copies land there)
         self.min_capacity = 0  # tree="auto": the slots the tuning compiled its steps for (tuning/auto.py)
         self.slot_ids = torch.zeros(0, dtype=torch.long, device=self.device)  # arange(capacity)
         self.start = self.length = torch.zeros(0, dtype=torch.long, device=self.device)
         self.lengths: list[int] = []  # self.length on the host
         self.tree_at = 0  # W: the slot of the last verified tree's root
 
-    # --------------------------------------------------------------------------------------------- buffers
     def reset(self, batch: int, length: int) -> None:
-        """Buffers for `batch` rows of up to `length` slots each (prompt with padding + new tokens; room for the
-        largest bucket is added); reused when they already fit."""
+        """Buffers for `batch` rows of up to `length` slots (padded prompt + new tokens), reused where they fit."""
         capacity = max(buffer_capacity(length + self.buckets[-1] + 1), self.min_capacity)  # + the scratch slot
         if self.cache is None or self.rows != batch or self.capacity < capacity:  # new buffers, new steps
             release_steps(self._steps.values())
             self.cache, self._steps = None, {}  # the old buffers can go before the new ones are allocated
             self.cache = static_cache(self.model, batch, capacity)
-            self.capacity = capacity
+            self.capacity, self.scratch = capacity, capacity - 1
+            self.rows = batch
             self.slot_ids = torch.arange(capacity, device=self.device)
         self.start = self.length = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.lengths = [0] * batch
 
     @property
-    def rows(self) -> int:
-        """Rows of the buffers (the batch the runner was reset for)."""
-        return self.cache.layers[0].keys.shape[0] if self.cache is not None else 0
-
-    @property
     def batch(self) -> int:
         """Rows in use: the leading `batch` rows of the buffers."""
         return len(self.lengths)
-
-    @property
-    def scratch(self) -> int:
-        """A slot no row ever reads: padded copies land there."""
-        return self.capacity - 1
 
     @property
     def positions(self) -> torch.Tensor:
@@ -125,8 +112,7 @@ class StaticRunner:
 
     @torch.inference_mode()
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only `rows` (indices into the rows in use), in that order, as the leading rows; only the rows whose
-        place changes are copied."""
+        """Keep only `rows` (indices into the rows in use), in that order, as the leading rows; only moved rows copy."""
         index = rows.tolist()
         used = [slice(int(start), self.lengths[k]) for start, k in zip(self.start[rows].tolist(), index)]
         keep_leading_rows(self.cache.drafthead_kv, index, used)
@@ -134,8 +120,7 @@ class StaticRunner:
         self.lengths = [self.lengths[k] for k in index]
 
     def truncate(self, lengths: torch.Tensor) -> None:
-        """Row i forgets its committed tokens from slot lengths[i] on (a draft model rolling back); lengths (B,) on
-        the device, none beyond the row's length."""
+        """Row i forgets its tokens from slot lengths[i] on (a draft model rolling back); lengths (B,) on the device."""
         self.length = lengths
         self.lengths = lengths.tolist()
 
@@ -159,16 +144,14 @@ class StaticRunner:
         self.start, self.length = self.start.index_fill(0, index, 0), self.length.index_fill(0, index, t)
         self.lengths[row] = t
 
-    def session(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def session(self):
         """The decoding session: the compiler settings of the compiled steps (the drafter's too), attention
         dispatched to the runner's kernel, and the small-row GEMM for kernel_rows."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(scoped_settings(self.device.type != "cuda"))
-        stack.enter_context(attention_implementation(self.model, self.attention))
         low, high = self.kernel_rows
-        if high:
-            stack.enter_context(small_row_kernel(high, low))
-        return stack
+        rows = small_row_kernel(high, low) if high else contextlib.nullcontext()
+        with scoped_settings(self.device.type != "cuda"), attention_implementation(self.model, self.attention), rows:
+            yield
 
     @property
     def kernel_rows(self) -> tuple[int, int]:
@@ -186,7 +169,6 @@ class StaticRunner:
         self._steps, self.cache = {}, None
         self.release()
 
-    # --------------------------------------------------------------------------------------------- forward
     def _step_forward(self, input_ids, position_ids, mask, kv_length, rows, keep: int = 0):
         """One forward over all B rows of the buffers, n tokens each (`mask` additive (B, 1, n, capacity)): a verify
         step, or a prefill chunk; attention reads the first `kv_length` slots of the leading `rows` rows (0-dim
@@ -238,12 +220,10 @@ class StaticRunner:
             raise ValueError(f"{b} prompts for a runner reset for {self.batch} rows")
         if t + self.buckets[-1] >= self.scratch:
             raise RuntimeError(f"a {t}-token prompt does not fit the KV buffers ({self.capacity} slots)")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        attention_mask = attention_mask.to(self.device).long()
-        start = t - attention_mask.sum(dim=1)
+        mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).to(self.device).long()
+        start = t - mask.sum(dim=1)
         slot = self.slot_ids[:t]
-        if not torch.equal(attention_mask.bool(), slot[None, :] >= start[:, None]):
+        if not torch.equal(mask.bool(), slot[None, :] >= start[:, None]):
             raise ValueError("batched prompts must be left-padded: each attention_mask row is 0s then 1s "
                              "(tokenizer.padding_side = 'left')")
         if (start >= t).any():
@@ -278,13 +258,11 @@ class StaticRunner:
         if w + size > self.scratch:
             raise RuntimeError(f"rows of up to {w} slots + a {size}-token tree exceed the KV buffers "
                                f"({self.capacity}); reset() with the full length first")
-        keys = self.slot_ids
-        prefix = (keys[None, :] >= self.start[:, None]) & (keys[None, :] < self.length[:, None])  # (B, capacity)
+        prefix = (self.slot_ids >= self.start[:, None]) & (self.slot_ids < self.length[:, None])  # (B, capacity)
         allowed = prefix.unsqueeze(1).expand(b, size, self.capacity).clone()
         allowed[:, :n, w: w + n] = ancestors
         if size > n:  # padded nodes: token 0 at the root's position, attending only to themselves
-            tokens = torch.nn.functional.pad(tokens, (0, size - n))
-            depths = torch.nn.functional.pad(depths, (0, size - n))
+            tokens, depths = (torch.nn.functional.pad(x, (0, size - n)) for x in (tokens, depths))
             pad = torch.arange(n, size, device=self.device)
             allowed[:, pad, w + pad] = True
         positions = self.positions[:, None] + depths
@@ -303,8 +281,7 @@ class StaticRunner:
 
     @torch.inference_mode()
     def commit(self, accepted: Accepted) -> None:
-        """Row i keeps the nodes accepted.paths[i] (indices into its last verified tree, root first) after its
-        committed tokens."""
+        """Row i appends the nodes accepted.paths[i] (indices into its last verified tree, root first)."""
         paths, counts = accepted.paths, accepted.counts
         # nothing to move where every row's tree starts at its length and it kept a prefix of it (plain steps, chains)
         if not all(self.tree_at == n and p == list(range(len(p))) for n, p in zip(self.lengths, accepted.host_paths)):
