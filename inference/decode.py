@@ -26,15 +26,13 @@ from .verify import verify_greedy, verify_sampling_rows
 
 @dataclass
 class Request:
-    """A prefilled request waiting for a row: its prompt `ids` (T,), the target's KV of the prompt (per layer
-    (keys, values), each (1, kv_heads, T, head_dim): StaticRunner.export_rows), the prompt's last logits (V,) and
-    the head's features (T, F) or None, and the stop conditions of its row."""
+    """A prefilled request waiting for a row (its KV as StaticRunner.export_rows gives it)."""
 
-    ids: torch.Tensor
-    kv: list[tuple[torch.Tensor, torch.Tensor]]
-    logits: torch.Tensor
-    features: torch.Tensor | None
-    stopper: Any
+    ids: torch.Tensor  # (T,) its prompt
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # the prompt's KV per layer, each (1, kv_heads, T, head_dim)
+    logits: torch.Tensor  # (V,) the prompt's last logits
+    features: torch.Tensor | None  # (T, F) the head's features, or None
+    stopper: Any  # the stop conditions of its row
 
 
 def left_pad(prompts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +94,7 @@ def decode(runner, drafter: Drafter, input_ids: torch.Tensor, attention_mask: to
 
     def settle(k: int) -> None:  # row k's new tokens, up to where its request stops
         keep = stoppers[rows[k]].cut(new[rows[k]], batches[k])
-        emitted = batches[k] if keep is None else batches[k][:keep]
+        emitted = batches[k][:keep]
         new[rows[k]] += emitted
         done[k] = keep is not None
         if streamer is not None and emitted:
@@ -119,10 +117,9 @@ def decode(runner, drafter: Drafter, input_ids: torch.Tensor, attention_mask: to
             k = done.index(True)
             runner.admit(k, request.kv)
             drafter.admit(k, runner, request.ids, request.features)
-            root = pick_next(request.logits[None], params, generator)
             roots = roots.clone()
-            roots[k] = root[0]
-            rows[k], batches[k] = len(new), [int(root[0])]
+            roots[k] = pick_next(request.logits[None], params, generator)[0]
+            rows[k], batches[k] = len(new), [int(roots[k])]
             new.append([])
             stoppers.append(request.stopper)
             stats.rows_steps.append(0)
@@ -149,10 +146,8 @@ def decode(runner, drafter: Drafter, input_ids: torch.Tensor, attention_mask: to
         sync()
         t1 = time.perf_counter()
         logits, features, greedy = runner.verify(tree.tokens, tree.depths, tree.ancestors, drafter.tree_size)
-        if params.do_sample:
-            accepted = verify_sampling_rows(target_probs(logits, params), tree, generator)
-        else:
-            accepted = verify_greedy(tree, greedy)
+        accepted = (verify_sampling_rows(target_probs(logits, params), tree, generator) if params.do_sample
+                    else verify_greedy(tree, greedy))
         runner.commit(accepted)
         drafter.accept(accepted, features)
         batches = accepted.host_tokens

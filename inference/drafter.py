@@ -49,12 +49,12 @@ class Accepted:
 
 @runtime_checkable
 class Drafter(Protocol):
-    """See the module docstring. A subclass inherits the defaults of a stateless drafter (no-op methods)."""
+    """See the module docstring. A subclass inherits a stateless drafter's defaults (no-op methods, root-only trees)."""
 
     name: str
-    tree_size: int  # the largest tree propose() returns (root included): the runner's buffers make room for it
-    origin_names: tuple[str, ...]  # bit i of DraftTree.origin = origin_names[i]
-    feature_layers: list[int]  # target decoder layers whose outputs the drafter reads ([] for none)
+    tree_size: int = 1  # the largest tree propose() returns (root included): the runner's buffers make room for it
+    origin_names: tuple[str, ...] = ()  # bit i of DraftTree.origin = origin_names[i]
+    feature_layers: list[int] = []  # target decoder layers whose outputs the drafter reads ([] for none)
 
     def session(self) -> contextlib.AbstractContextManager:
         """Context around one generation (e.g. a draft model's attention kernel)."""
@@ -79,9 +79,6 @@ class PlainDrafter(Drafter):
     """Drafts nothing: every tree is the root alone (the engine's own plain decoding baseline)."""
 
     name = "none"
-    tree_size = 1
-    origin_names: tuple[str, ...] = ()
-    feature_layers: list[int] = []
 
     def propose(self, roots, params=None, generator=None) -> DraftTree:
         return DraftTree.chain(roots)

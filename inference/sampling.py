@@ -2,8 +2,7 @@
 
 Order and conditions follow `GenerationMixin._get_logits_processor` for do_sample=True:
 TemperatureLogitsWarper (if temperature != 1), TopKLogitsWarper (if top_k not in (None, 0)),
-TopPLogitsWarper (if top_p < 1), each with min_tokens_to_keep=1, all on float32 logits. Fields left at None
-take generate's global defaults (temperature 1.0, top_k 50, top_p 1.0).
+TopPLogitsWarper (if top_p < 1), each with min_tokens_to_keep=1, all on float32 logits.
 """
 
 from __future__ import annotations
@@ -26,11 +25,9 @@ class SamplingParams:
     @classmethod
     def make(cls, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
              do_sample: bool | None = None, generation_config: Any | None = None) -> "SamplingParams":
-        """Explicit arguments win over `generation_config`; None falls back to generate's defaults.
-
-        Without an explicit do_sample, sampling is on iff an explicit temperature > 0 was given, else it follows
-        generation_config.do_sample (off by default, as in generate).
-        """
+        """Explicit arguments win over `generation_config`; None falls back to generate's defaults (temperature 1.0,
+        top_k 50, top_p 1.0). Without an explicit do_sample, sampling is on iff an explicit temperature > 0 was given,
+        else it follows generation_config.do_sample (off by default, as in generate)."""
         gc = generation_config
         _check_ranges(temperature, top_k, top_p)  # the caller's own values, sampling or not
         if do_sample is None:

@@ -57,7 +57,6 @@ class GenerationStats:
 
     @property
     def histogram(self) -> dict[int, int]:
-        """accepted length -> number of verification steps."""
         return accept_histogram(self.accept_lengths)
 
     @property
@@ -65,6 +64,5 @@ class GenerationStats:
         return self.new_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d.update(mean_accepted=self.mean_accepted, histogram=self.histogram, tokens_per_s=self.tokens_per_s)
-        return d
+        return dict(asdict(self), mean_accepted=self.mean_accepted, histogram=self.histogram,
+                    tokens_per_s=self.tokens_per_s)

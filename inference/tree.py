@@ -37,18 +37,17 @@ TREE_PRESETS = {
 
 
 def tree_options(tree: str | TreeOptions | None = "cpu", **overrides: int | None) -> TreeOptions:
-    """A preset by name ("cpu", "gpu", "chain"), "depth,top_k,total_tokens", or a TreeOptions, with
-    depth/top_k/total_tokens overrides."""
-    tree = "cpu" if tree is None else tree
-    if isinstance(tree, str) and "," in tree:  # "depth,top_k,total_tokens", e.g. "2,4,3"
+    """A preset by name ("cpu", "gpu", "chain"; None: "cpu"), "depth,top_k,total_tokens" (e.g. "2,4,3"), or a
+    TreeOptions, with depth/top_k/total_tokens overrides."""
+    if tree is None or tree in TREE_PRESETS:
+        tree = TREE_PRESETS[tree or "cpu"]
+    elif isinstance(tree, str):
         try:
             depth, top_k, total = (int(x) for x in tree.split(","))
         except ValueError:
-            raise ValueError(f"a tree as numbers is 'depth,top_k,total_tokens', got {tree!r}") from None
+            raise ValueError(f"tree {tree!r} is neither a preset ({sorted(TREE_PRESETS)}) nor "
+                             "'depth,top_k,total_tokens'") from None
         tree = TreeOptions(depth, top_k, total)
-    if isinstance(tree, str) and tree not in TREE_PRESETS:
-        raise ValueError(f"unknown tree preset {tree!r}; choose from {sorted(TREE_PRESETS)}")
-    tree = TREE_PRESETS[tree] if isinstance(tree, str) else tree
     return replace(tree, **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -89,8 +88,7 @@ class DraftTree:
         if q is not None:  # row 0 (the root) is never read
             tree.q = torch.cat([torch.zeros_like(q[:, :1]), q], dim=1)
         if origin is not None:
-            tree.origin = torch.full((b, n), origin, dtype=torch.long, device=device)
-            tree.origin[:, 0] = 0
+            tree.origin = torch.where(line > 0, origin, 0).expand(b, n)
         return tree
 
 
@@ -129,8 +127,7 @@ def expand_tree(scores: torch.Tensor, tokens: torch.Tensor, last_hidden: torch.T
         rows = (torch.zeros(b, k, f, dtype=torch.bool, device=device) if parent_fed is None
                 else fed_allowed.gather(1, parent_fed[:, :, None].expand(-1, -1, f)))
         rows = torch.cat([rows, eye], dim=2)  # (B, k, f+k)
-        fed_allowed = torch.cat([torch.cat([fed_allowed, torch.zeros(b, f, k, dtype=torch.bool, device=device)],
-                                           dim=2), rows], dim=1)
+        fed_allowed = torch.cat([torch.nn.functional.pad(fed_allowed, (0, k)), rows], dim=1)
         out, logp, child = step(d, f, frontier_tokens, parent_hidden, rows)
         kk = logp.shape[2]
         child_scores = (frontier_scores[:, :, None] + logp).flatten(1)  # (B, k·k')

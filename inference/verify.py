@@ -1,7 +1,6 @@
 """Tree verification for every row of a batch: greedy (exact argmax match) and lossless sampling (recursive
-rejection sampling). Both give an Accepted (drafter.py): per row the accepted tree indices, root first, and the
-accepted drafted tokens followed by the bonus token drawn from the target at the last accepted node, as (B, W)
-tensors padded with -1 (as vLLM's rejection sampler pads) and as host lists, moved to the host once.
+rejection sampling). Both give an Accepted (drafter.py), the bonus token drawn from the target at the last accepted
+node, moved to the host once.
 
 Greedy is vectorised over rows: a node is correct when its token is the target's argmax after its parent, and each
 row keeps its deepest node whose whole path is correct (the first in index order on ties).
@@ -32,11 +31,9 @@ def verify_greedy(tree: DraftTree, greedy: torch.Tensor) -> Accepted:
     device = greedy.device
     if n == 1:  # the root alone (plain decoding): kept, and the target's token follows; a few ops, not twenty
         emitted = greedy[:, :1]
-        host = emitted[:, 0].tolist()  # the step's one transfer to the host
         return Accepted(torch.zeros_like(emitted), emitted, torch.ones(b, dtype=torch.long, device=device),
-                        [[0] for _ in range(b)], [[t] for t in host])
-    tokens = tree.tokens
-    correct = tokens == greedy.gather(1, tree.parents.clamp_min(0))
+                        [[0] for _ in range(b)], emitted.tolist())  # the step's one transfer to the host
+    correct = tree.tokens == greedy.gather(1, tree.parents.clamp_min(0))
     correct[:, 0] = True
     path_ok = ~(tree.ancestors & ~correct[:, None, :]).any(dim=2)  # (B, n) every node on the path is correct
     best = torch.where(path_ok, tree.depths, -1).argmax(dim=1)  # (B,)
@@ -46,7 +43,7 @@ def verify_greedy(tree: DraftTree, greedy: torch.Tensor) -> Accepted:
     column = torch.arange(n, device=device)
     paths = torch.where(on_path, column, n).sort(dim=1).values  # the path's nodes first, in index (= depth) order
     paths = torch.where(column < counts[:, None], paths, -1)
-    following = tokens.gather(1, torch.cat([paths[:, 1:], paths[:, :1]], dim=1).clamp_min(0))
+    following = tree.tokens.gather(1, torch.cat([paths[:, 1:], paths[:, :1]], dim=1).clamp_min(0))
     emitted = torch.where(column < counts[:, None] - 1, following, greedy[rows, best][:, None])
     emitted = torch.where(paths >= 0, emitted, -1)
     host = torch.cat([counts[:, None], paths, emitted], dim=1).tolist()  # the step's one transfer to the host
@@ -73,9 +70,7 @@ def residual(r: torch.Tensor, token: int, q: torch.Tensor | None) -> torch.Tenso
     """What is left of distribution r after rejecting `token` drawn from q (None: a point mass): max(0, r - q),
     not normalised."""
     if q is None:
-        r = r.clone()
-        r[token] = 0
-        return r
+        return r.index_fill(0, torch.tensor([token], device=r.device), 0.0)
     return (r - q).clamp_min(0)
 
 
@@ -86,10 +81,10 @@ def verify_sampling(probs: torch.Tensor, tree: DraftTree,
     and the emitted tokens (accepted drafts + the bonus)."""
     kids = children_lists(tree)
     token_ids = tree.tokens[0].tolist()
-    node, path = 0, [0]
+    path = [0]
     r = probs[0]
     while True:
-        for child in kids[node]:
+        for child in kids[path[-1]]:
             x = token_ids[child]
             q = tree.q[0, child] if tree.q is not None else None
             u = torch.rand((), generator=generator, device=r.device, dtype=r.dtype)
@@ -104,7 +99,6 @@ def verify_sampling(probs: torch.Tensor, tree: DraftTree,
         else:  # no child accepted (or none): the bonus comes from the residual
             bonus = int(torch.multinomial(r, 1, generator=generator))
             break
-        node = child
-        path.append(node)
-        r = probs[node]
+        path.append(child)
+        r = probs[child]
     return path, [token_ids[i] for i in path[1:]] + [bonus]

@@ -1,9 +1,6 @@
 """Draft-model drafting: classic speculative sampling with a smaller causal LM (Leviathan et al. 2023; Chen et al.
-2023).
-
-The draft model keeps its own KV (a runner like the target's) and drafts chains of `gamma` tokens, greedy or sampled
-from q (carried for verify.py). After verification its cache is rolled back to the accepted prefix; accepted tokens
-it has not seen yet (the last draft, and always the bonus) are fed at the next proposal.
+2023). After verification the draft's cache is rolled back to the accepted prefix; accepted tokens it has not seen
+yet (the last draft, and always the bonus) are fed at the next proposal.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ import torch.nn as nn
 
 from drafthead.utils import place_module
 
-from ..drafter import Accepted
+from ..drafter import Accepted, Drafter
 from ..loading import load_causal_lm
 from ..runners import make_runner
 from ..sampling import SamplingParams, target_probs
@@ -39,8 +36,7 @@ def check_same_tokenizer(draft: nn.Module, target: nn.Module, draft_tokenizer: A
                 f"the draft model's tokenizer differs from the target's ({len(dv)} vs {len(tv)} tokens; first "
                 f"differences {differ}): a draft model must share the target's tokenizer")
         return
-    dv = draft.config.get_text_config(decoder=True).vocab_size
-    tv = target.config.get_text_config(decoder=True).vocab_size
+    dv, tv = (model.config.get_text_config(decoder=True).vocab_size for model in (draft, target))
     if dv != tv:
         raise TokenizerMismatchError(f"vocab size: draft model {dv}, target {tv}; a draft model must share the "
                                      "target's tokenizer (pass both tokenizers to compare the vocabularies)")
@@ -58,21 +54,17 @@ def load_draft_model(source: str | Path | nn.Module, target: nn.Module, target_t
 
 def match_vocab(probs: torch.Tensor, vocab: int) -> torch.Tensor:
     """Draft probabilities (..., V_draft) over the target's `vocab` ids: zero-padded, or cut and renormalised."""
-    v = probs.shape[-1]
-    if v < vocab:
-        return torch.nn.functional.pad(probs, (0, vocab - v))
-    if v > vocab:
+    if probs.shape[-1] > vocab:
         probs = probs[..., :vocab]
         return probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+    return torch.nn.functional.pad(probs, (0, vocab - probs.shape[-1]))
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     """A drafter: chains of `gamma` tokens from a smaller LM with its own KV buffers, every row at once."""
 
     name = "draft_model"
     origin_names = ("draft_model",)
-    feature_layers: list[int] = []
 
     def __init__(self, model: nn.Module, target_vocab: int, gamma: int = 4, runner: str = "auto",
                  compile: bool = False):
@@ -115,8 +107,7 @@ class DraftModelDrafter:
     def propose(self, roots: torch.Tensor, params: SamplingParams,
                 generator: torch.Generator | None = None) -> DraftTree:
         drafted, qs = [], []
-        rows = [pending + [root] for pending, root in zip(self.pending, roots.tolist())]
-        logits = self._feed(rows)
+        logits = self._feed([pending + [root] for pending, root in zip(self.pending, roots.tolist())])
         self.after_root = self.runner.length.clone()
         for i in range(self.gamma):  # each row's next draft token (B,), sampled: with its distribution q (B, V)
             if params.do_sample:
@@ -133,14 +124,12 @@ class DraftModelDrafter:
     def skip(self, roots: torch.Tensor) -> None:
         """A plain step: the root waits, with the other accepted tokens, for the next proposal."""
         self.after_root = None
-        for pending, root in zip(self.pending, roots.tolist()):
-            pending.append(root)
+        self.pending = [pending + [root] for pending, root in zip(self.pending, roots.tolist())]
 
     def accept(self, accepted: Accepted, features) -> None:
         """Roll each row's cache back to its root + the accepted drafts it holds; the rest waits."""
         if self.after_root is None:  # after a plain step the cache holds nothing the target rejected
-            for pending, tokens in zip(self.pending, accepted.host_tokens):
-                pending += tokens[:-1]
+            self.pending = [pending + tokens[:-1] for pending, tokens in zip(self.pending, accepted.host_tokens)]
             return
         held = [min(max(len(t) - 1, 0), self.gamma - 1) for t in accepted.host_tokens]  # accepted drafts cached
         self.runner.truncate(self.after_root + torch.tensor(held, device=self.device))

@@ -73,7 +73,6 @@ class HeadDrafter(Drafter):
         self.head = head.eval()
         self.dtype = next(head.parameters()).dtype
         self.device = next(head.parameters()).device
-        # the small-row GEMM and decoding attention kernels, used while it drafts (_drafting)
         use_small_row_kernel(head, float32=True)
         self.attention = decoding_attention(self.device, self.dtype)
         # "auto": a float32 head drafts from int8 copies, a quarter of the bytes a depth, accepted as often
@@ -89,7 +88,6 @@ class HeadDrafter(Drafter):
         self.slot_pos: torch.Tensor | None = None  # (B, capacity) position held by each slot, -1 if none
         self.next_pos: torch.Tensor | None = None  # (B,) pairs fed so far (the root's position)
         self.pending: dict[str, torch.Tensor] = {}  # true pairs waiting for the next root
-        self.stable_slots = self.capacity = 0
         # a steady drafting step: one compiled graph per tree shape and batch size (a prompt's feed runs eagerly)
         self.compiled = compile
         self._step = (compile_step(self._draft, self.device, cpp_wrapper=self.device.type == "cpu",
@@ -105,8 +103,7 @@ class HeadDrafter(Drafter):
         """The head's kernels for the block: the small-row GEMM and the decoding attention (restored after)."""
         config = self.head.midlayer.self_attn.config
         previous = config._attn_implementation
-        if self.attention is not None:
-            config._attn_implementation = self.attention
+        config._attn_implementation = self.attention or previous
         try:
             with small_row_kernel(BATCH_KERNEL_ROWS), int8_weights(self.int8):
                 yield
@@ -134,10 +131,8 @@ class HeadDrafter(Drafter):
         columns = (runner.start[:, None] + positions).clamp(max=t - 1)  # left padding: row i starts at start_i
         feats = features.gather(1, columns[..., None].expand(-1, -1, features.shape[-1]))
         tokens = input_ids.to(device).gather(1, (columns + 1).clamp(max=t - 1))
-        self._wait(feats, tokens, positions, valid, valid & (positions == lengths[:, None] - 1))
-
-    def _wait(self, features, tokens, positions, valid, is_root) -> None:
-        self.pending = dict(features=features, tokens=tokens, positions=positions, valid=valid, is_root=is_root)
+        self.pending = dict(features=feats, tokens=tokens, positions=positions, valid=valid,
+                            is_root=valid & (positions == lengths[:, None] - 1))
 
     @torch.inference_mode()
     def propose(self, roots: torch.Tensor, params=None, generator=None) -> DraftTree:
@@ -162,7 +157,8 @@ class HeadDrafter(Drafter):
         j = torch.arange(nodes.shape[1], device=nodes.device)[None, :]
         counts = accepted.counts[:, None]
         tokens = widen(accepted.tokens[:, :width], width).clamp_min(0)
-        self._wait(feats, tokens, self.next_pos[:, None] + j, j < counts, j == counts - 1)
+        self.pending = dict(features=feats, tokens=tokens, positions=self.next_pos[:, None] + j, valid=j < counts,
+                            is_root=j == counts - 1)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         self.cache.keys, self.cache.values = self.cache.keys[rows], self.cache.values[rows]
@@ -182,9 +178,8 @@ class HeadDrafter(Drafter):
         but the last one (its token is the root) waits with the other rows' pending pairs."""
         t = ids.shape[0]
         device = features.device
-        positions, valid = self.layout.needed(torch.zeros(1, dtype=torch.long, device=device),
-                                              torch.tensor([t], device=device))  # (1, M), all valid, ascending
-        feats = features[positions.clamp(max=t - 1)]
+        positions, valid = self.layout.needed(torch.tensor([0], device=device), torch.tensor([t], device=device))
+        feats = features[positions.clamp(max=t - 1)]  # positions (1, M): all valid, ascending
         tokens = ids.to(device)[(positions + 1).clamp(max=t - 1)]
         full = self.cache, self.slot_pos
         self.cache = RowSlotCache(full[0].keys[row: row + 1], full[0].values[row: row + 1])  # views of the row
@@ -247,15 +242,14 @@ class HeadDrafter(Drafter):
     def _feed_pairs(self, tokens, features, positions, valid) -> torch.Tensor | None:
         """Feed true pairs (B, m), valid ones first in each row, in chunks. Returns each row's head output at its
         last valid pair (B, 1, H); None when m is 0."""
-        count = valid.sum(dim=1)
         chunk = min(FEED_CHUNK, self.layout.window or FEED_CHUNK)  # a chunk never wraps the ring onto itself
+        end = valid.sum(dim=1) - 1  # each row's last valid pair
         last = None
         for c0 in range(0, tokens.shape[1], chunk):
             part = slice(c0, c0 + chunk)
             out = self._forward(tokens[:, part], self.head.fuse(features[:, part].to(self.dtype)),
                                 positions[:, part], valid[:, part])
-            at = count - 1 - c0  # each row's last pair, if it is in this chunk
-            pick = out.gather(1, at.clamp(0, out.shape[1] - 1)[:, None, None].expand(-1, 1, out.shape[-1]))
-            inside = ((at >= 0) & (at < out.shape[1]))[:, None, None]
-            last = pick if last is None else torch.where(inside, pick, last)
+            at = (end - c0).clamp(0, out.shape[1] - 1)  # in this chunk, or its last pair if it comes later
+            pick = out.gather(1, at[:, None, None].expand(-1, 1, out.shape[-1]))
+            last = pick if last is None else torch.where((end >= c0)[:, None, None], pick, last)
         return last

@@ -1,10 +1,7 @@
-"""Prompt-lookup drafting: copy what followed the latest earlier occurrence of the last few tokens, alone or as
-one more branch beside another drafter's trees.
-
-LookupBranch hangs each row's chain (prompt and output so far; n-grams from `max_ngram` down to `min_ngram`) from
-its root beside a drafter's tree, sharing the nodes the drafter already proposed. The rows' trees are padded to the
-largest with copies of a row's first drafted node (or root), which never changes what is accepted (greedy keeps the
-first deepest correct path; sampling meets one more point-mass proposal).
+"""Prompt-lookup drafting: copy what followed the latest earlier occurrence of the last few tokens (n-grams from
+`max_ngram` down to `min_ngram`), alone or as one more branch beside another drafter's trees, sharing their nodes.
+The rows' trees are padded to the largest with copies of a row's first drafted node (or root), which never changes
+what is accepted (greedy keeps the first deepest correct path; sampling meets one more point-mass proposal).
 """
 
 from __future__ import annotations
@@ -47,33 +44,11 @@ class NgramIndex:
         return []
 
 
-def hang_chain(tokens: list[int], parents: list[int], depths: list[int], chain: list[int], limit: int) -> list[int]:
-    """Walk `chain` down from the root of the tree (lists, parents before children), sharing its nodes and appending
-    the rest in place up to `limit` nodes. Returns the nodes the chain went through."""
-    child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i > 0}
-    node, path = 0, []
-    for token in chain:
-        found = child.get((node, token))
-        if found is None:
-            if len(tokens) >= limit:
-                break
-            found = len(tokens)
-            tokens.append(token)
-            parents.append(node)
-            depths.append(depths[node] + 1)
-            child[(node, token)] = found
-        path.append(found)
-        node = found
-    return path
-
-
 class LookupBranch:
     """A drafter: `drafter`'s trees with each row's prompt-lookup chain of up to `tokens` merged in, adding at most
     `nodes` nodes a row."""
 
     def __init__(self, drafter, tokens: int = 10, nodes: int | None = None, max_ngram: int = 3, min_ngram: int = 1):
-        if tokens < 1:
-            raise ValueError(f"tokens must be >= 1, got {tokens}")
         nodes = tokens if nodes is None else nodes
         if not 1 <= nodes <= tokens:
             raise ValueError(f"need 1 <= nodes <= tokens, got nodes={nodes}, tokens={tokens}")
@@ -93,8 +68,6 @@ class LookupBranch:
     def begin(self, runner, input_ids: torch.Tensor, attention_mask: torch.Tensor,
               features: torch.Tensor | None) -> None:
         self.drafter.begin(runner, input_ids, attention_mask, features)
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
         self.rows = [NgramIndex(ids[mask.bool()].tolist(), self.max_ngram)
                      for ids, mask in zip(input_ids, attention_mask)]
 
@@ -126,16 +99,27 @@ class LookupBranch:
         return self._merge(tree, [index.continuation(self.tokens, self.min_ngram) for index in self.rows])
 
     def _merge(self, tree: DraftTree, chains: list[list[int]]) -> DraftTree:
-        """`tree` with each row's chain hung from its root (shared nodes reused), the rows padded to the largest."""
+        """`tree` with each row's chain hung from its root, sharing the nodes it has and appending up to `nodes` more,
+        the rows padded to the largest."""
         b, n = tree.tokens.shape
         lookup = 1 << len(self.drafter.origin_names)  # origin bit; the drafter's own nodes carry bit 0
         tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
         origin = tree.origin.tolist() if tree.origin is not None else [[0] + [1] * (n - 1) for _ in range(b)]
         for row_tokens, row_parents, row_depths, row_origin, chain in zip(tokens, parents, depths, origin, chains):
-            path = hang_chain(row_tokens, row_parents, row_depths, chain, limit=n + self.nodes)
-            row_origin += [0] * (len(row_tokens) - n)
-            for node in path:
-                row_origin[node] |= lookup
+            child = {(p, t): i for i, (p, t) in enumerate(zip(row_parents, row_tokens)) if i > 0}
+            node = 0
+            for token in chain:  # down from the root: once off the tree, every token is a new node
+                found = child.get((node, token))
+                if found is None:
+                    if len(row_tokens) >= n + self.nodes:
+                        break
+                    found = len(row_tokens)
+                    row_tokens.append(token)
+                    row_parents.append(node)
+                    row_depths.append(row_depths[node] + 1)
+                    row_origin.append(0)
+                row_origin[found] |= lookup
+                node = found
         size = max(len(t) for t in tokens)
         if size == 1:  # nothing drafted in any row: the roots alone
             return tree
@@ -151,8 +135,7 @@ class LookupBranch:
                            ancestor_matrix(parents_t, max(map(max, depths))),
                            origin=torch.tensor(origin, device=device))
         if tree.q is not None:  # the lookup's nodes are point masses
-            onehot = torch.zeros(b, size - n, tree.q.shape[-1], dtype=tree.q.dtype, device=device)
-            onehot.scatter_(2, merged.tokens[:, n:, None], 1.0)
+            onehot = torch.nn.functional.one_hot(merged.tokens[:, n:], tree.q.shape[-1]).to(tree.q.dtype)
             merged.q = torch.cat([tree.q, onehot], dim=1)
         return merged
 

@@ -3,8 +3,6 @@
 The target drafts chains of `gamma` for itself, each draft forward attending only the first `sink` and the last
 `window` positions (its own buffers, copied from the target's after every verification); the full target verifies.
 Once the context is long a target step reads far more KV than weights, a draft step only sink + window entries.
-While a batch decodes the buffers keep their batch size (the rows still alive first, the last repeated), so a
-compiled draft step never recompiles as rows leave.
 
 `weights="int8"`: the draft multiplies with an int8 copy of the target's linear weights (small_gemm.int8_weights).
 `vocab`: the target ids the draft may propose (draft_vocab.frequent_tokens), its logits computed over those only.
@@ -35,7 +33,6 @@ class StreamingSelfDrafter(Drafter):
 
     name = "self"
     origin_names = ("self",)
-    feature_layers: list[int] = []
 
     def __init__(self, model: nn.Module, sink: int = 4, window: int = 512, gamma: int = 3, compile: bool = False,
                  vocab: torch.Tensor | None = None, weights: str = "same"):
@@ -139,15 +136,13 @@ class StreamingSelfDrafter(Drafter):
             mask[..., self.scratch + d] = 0
             set_write_slot(self.cache, self.scratch + d)
             with int8_weights(self.int8), live_entries(b) as rows:
-                logits, greedy = self._step(tokens, positions + d, mask, self.kv_length, rows)
-            if params.do_sample:
+                logits, tokens = self._step(tokens, positions + d, mask, self.kv_length, rows)
+            if params.do_sample:  # a sample instead of the greedy token
                 if self.vocab is not None:  # the draft's own law: zero outside its vocabulary
                     logits = logits.new_full((full, self.vocab_size), float("-inf")).index_copy_(1, self.vocab, logits)
                 q = target_probs(logits, params)  # (B, V)
                 tokens = torch.multinomial(q, 1, generator=generator)
                 qs.append(q[:b])
-            else:
-                tokens = greedy
             drafted.append(tokens[:b])
         return DraftTree.chain(roots, torch.cat(drafted, dim=1), torch.stack(qs, dim=1) if qs else None)
 
