@@ -108,15 +108,11 @@ def read_cached(path: Path, key: dict) -> TunedTree | None:
 
 def calibration_inputs(tokenizer: Any, device: torch.device) -> list[torch.Tensor]:
     """The calibration prompts as the target reads them: in its chat template where it has one."""
-    out = []
-    for prompt in CALIBRATION_PROMPTS:
-        if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                return_tensors="pt", return_dict=True)["input_ids"]
-        else:
-            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-        out.append(ids.to(device))
-    return out
+    if not getattr(tokenizer, "chat_template", None):
+        return [tokenizer(prompt, return_tensors="pt")["input_ids"].to(device) for prompt in CALIBRATION_PROMPTS]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)["input_ids"].to(device)
+            for prompt in CALIBRATION_PROMPTS]
 
 
 def estimate_s(model: nn.Module, inputs: list[torch.Tensor], compiled: bool = False) -> float:

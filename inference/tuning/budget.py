@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any, Callable
 
 import torch
@@ -34,7 +34,7 @@ from ..tree import TREE_PRESETS, DraftTree, TreeOptions
 
 TOTALS = tuple(range(1, 17)) + (20, 24, 28, 32, 40, 48, 56, 60, 64, 80)
 TRIAL_TREES = 4  # the best predicted tree of this many verify sizes decodes for real before the choice
-ROW = ("tokens_per_s", "tau", "step_ms", "depth", "top_k", "total_tokens")  # a candidate's fields, as ranked
+ROW = ("tokens_per_s", "tau", "step_ms", "depth", "top_k", "total_tokens")  # as ranked; the last 3: TreeOptions's
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,15 @@ class NodeRecord:
     accepted: bool
 
 
+def _ranks(values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """Rank of each entry by descending value (0 = best) among the entries of its group; ties broken by index."""
+    ranks = torch.empty(len(values), dtype=torch.long)
+    for g in groups.unique():
+        idx = (groups == g).nonzero().flatten()
+        ranks[idx[torch.sort(values[idx], descending=True, stable=True).indices]] = torch.arange(len(idx))
+    return ranks
+
+
 class RecordingDrafter(HeadDrafter):
     """A HeadDrafter that also records its one row's verified trees and accepted paths (NodeRecords per step)."""
 
@@ -91,7 +100,14 @@ class RecordingDrafter(HeadDrafter):
         return self.tree
 
     def accept(self, accepted: Accepted, features) -> None:
-        self.records.append(record_tree(self.tree, accepted.host_paths[0]))
+        """Records row 0's drafted nodes (root excluded), then feeds the head as HeadDrafter does."""
+        scores = self.tree.scores[0, 1:].float().cpu()
+        parents = self.tree.parents[0, 1:].cpu() - 1  # index among drafted nodes; -1 = child of the root
+        depths = self.tree.depths[0, 1:].cpu()
+        taken = {i - 1 for i in accepted.host_paths[0][1:]}  # host_paths: tree indices, root first
+        sibling, depth_rank, score_rank = (_ranks(scores, g) for g in (parents, depths, torch.zeros_like(depths)))
+        self.records.append([NodeRecord(int(parents[i]), int(depths[i]), int(sibling[i]), int(depth_rank[i]),
+                                        int(score_rank[i]), i in taken) for i in range(len(scores))])
         super().accept(accepted, features)
 
 
@@ -121,13 +137,6 @@ def _median_ms(fn: Callable[[], object], reps: int, device: torch.device,
     return statistics.median(times)
 
 
-def verify_sizes(runner) -> tuple[int, ...]:
-    """Tree sizes (drafted tokens, root excluded) worth measuring: every size on the eager runner; on the static
-    runner only full buckets, since a tree is padded to its bucket (a smaller tree costs the same)."""
-    buckets = getattr(runner, "buckets", None)
-    return TOTALS if buckets is None else tuple(b - 1 for b in buckets if b > 1) or (0,)
-
-
 @torch.inference_mode()
 def measure_verify_ms(runner, prefix: torch.Tensor, sizes, reps: int = 15) -> dict[int, float]:
     """{n: median ms of one target forward over a chain of n drafted tokens + the root after `prefix` (1, T)}
@@ -136,16 +145,13 @@ def measure_verify_ms(runner, prefix: torch.Tensor, sizes, reps: int = 15) -> di
     for n in (0, *sizes):
         tokens = prefix[:, -(n + 1):] if prefix.shape[1] > n else prefix[:, :1].repeat(1, n + 1)
         steps[n] = _target_step(runner, DraftTree.chain(tokens[:, 0], tokens[:, 1:]))
-    times = {n: [] for n in steps}
     runner.reset(1, prefix.shape[1] + max(steps) + 1)
     with runner.session():
         runner.prefill(prefix)
         for step in steps.values():
             step()  # warm-up (and the one-time compile of this shape)
-        for _ in range(reps):
-            for n, step in steps.items():
-                times[n].append(_median_ms(step, 1, prefix.device))
-    return {n: statistics.median(t) for n, t in times.items()}
+        rounds = [[_median_ms(step, 1, prefix.device) for step in steps.values()] for _ in range(reps)]
+    return {n: statistics.median(t) for n, t in zip(steps, zip(*rounds))}
 
 
 @torch.inference_mode()
@@ -188,8 +194,7 @@ def decode_trial(generator: Callable[..., Any], model: nn.Module, runner, varian
     untimed warm-up (every verify bucket its drafter may fill, lest one only some prompt reaches compile while timed;
     a generation). tokens_per_s and tau: all generations together, prefill excluded; step_ms: the median
     generation's ms per step."""
-    compiled = getattr(runner, "compiled", False)
-    gens = {key: generator(model, draft, runner=runner, compile=compiled, **kw)
+    gens = {key: generator(model, draft, runner=runner, compile=getattr(runner, "compiled", False), **kw)
             for key, (draft, kw) in variants.items()}
     longest = max(ids.shape[1] for ids in inputs) + max_new_tokens
     for gen in gens.values():
@@ -223,28 +228,6 @@ def choose_draft_vocab(model: nn.Module, heads: dict[int, DraftHead], runner, tr
     return heads[chosen], {"chosen": chosen, "trial": {str(k): v for k, v in rates.items()}}
 
 
-def _ranks(values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """Rank of each entry by descending value (0 = best) among the entries of its group; ties broken by index."""
-    ranks = torch.empty(len(values), dtype=torch.long)
-    for g in groups.unique():
-        idx = (groups == g).nonzero().flatten()
-        ranks[idx[torch.sort(values[idx], descending=True, stable=True).indices]] = torch.arange(len(idx))
-    return ranks
-
-
-def record_tree(tree: DraftTree, path: list[int]) -> list[NodeRecord]:
-    """Records of row 0's verified tree's drafted nodes (root excluded); path: accepted tree indices, root first."""
-    scores = tree.scores[0, 1:].float().cpu()
-    parents = tree.parents[0, 1:].cpu() - 1  # index among drafted nodes; -1 = child of the root
-    depths = tree.depths[0, 1:].cpu()
-    accepted = {i - 1 for i in path[1:]}  # indices among drafted nodes
-    score_rank = _ranks(scores, torch.zeros_like(depths))
-    depth_rank = _ranks(scores, depths)
-    sibling_rank = _ranks(scores, parents)
-    return [NodeRecord(int(parents[i]), int(depths[i]), int(sibling_rank[i]), int(depth_rank[i]), int(score_rank[i]),
-                       i in accepted) for i in range(len(scores))]
-
-
 def expected_tau(records_by_step: list[list[NodeRecord]], depth: int, top_k: int, total: int) -> float:
     """Mean tokens per step (bonus included) had the recorded trees been drafted under this budget."""
     taus = []
@@ -264,9 +247,9 @@ def expected_tau(records_by_step: list[list[NodeRecord]], depth: int, top_k: int
     return statistics.fmean(taus) if taus else 1.0
 
 
-def prefer_smaller(measured: list[tuple], verify_size: Callable[[int], int]) -> tuple:
-    """The trial's choice among ROWs: by verify size from small to large, a larger tree replaces the current choice
-    only if it measured LARGER_TREE_MARGIN times its tokens/s."""
+def prefer_smaller(measured: list[tuple], verify_size: Callable[[int], int]) -> tuple | None:
+    """The trial's choice among ROWs (None if none): by verify size from small to large, a larger tree replaces the
+    current choice only if it measured LARGER_TREE_MARGIN times its tokens/s."""
     best = None
     for row in sorted(measured, key=lambda r: (verify_size(r[5]), -r[0])):
         if best is None or row[0] > LARGER_TREE_MARGIN * best[0]:
@@ -312,7 +295,11 @@ def auto_tree(
     # the generators below: the head's draft with these weights (plain decoding's, draft None, takes no draft weights)
     generator = functools.partial(generator, draft_weights=draft_weights)
     prefix = outs[-1].sequences[:, -256:]
-    sizes = tuple(n for n in verify_sizes(runner) if n <= budget.max_verify) or verify_sizes(runner)[:1]
+    # the tree sizes (root excluded) worth timing: every size on the eager runner; on the static runner only full
+    # buckets, since a tree is padded to its bucket (a smaller tree costs the same)
+    buckets = getattr(runner, "buckets", None)
+    sizes = TOTALS if buckets is None else tuple(b - 1 for b in buckets if b > 1) or (0,)
+    sizes = tuple(n for n in sizes if n <= budget.max_verify) or sizes[:1]
     verify_ms = measure_verify_ms(runner, prefix, sizes, reps=budget.verify_reps)
     shapes = [TreeOptions(depth=d, top_k=k, total_tokens=max(TOTALS)) for k in budget.top_ks for d in budget.depths]
     draft_ms = {(o.depth, o.top_k): ms
@@ -327,23 +314,20 @@ def auto_tree(
         return 1000 * tau / step_ms, tau, step_ms, depth, top_k, total
 
     largest = min(max(verify_ms), budget.calibration.total_tokens)
-    table = [predict(depth, top_k, total) for depth in budget.depths for top_k in budget.top_ks for total in TOTALS
-             if depth <= total <= largest and (top_k != 1 or total == depth)]
+    table = sorted((predict(depth, top_k, total) for depth in budget.depths for top_k in budget.top_ks
+                    for total in TOTALS if depth <= total <= largest and (top_k != 1 or total == depth)), reverse=True)
     # 4. the trial: the best predicted tree of each of the budget's trial_trees best verify sizes, and plain decoding
     best_by_size: dict[int, tuple] = {}
-    for row in sorted(table, reverse=True):
+    for row in table:
         best_by_size.setdefault(verify_size(row[5]), row)
-    taus = {TreeOptions(depth=d, top_k=k, total_tokens=n): tau
-            for _, tau, _, d, k, n in list(best_by_size.values())[:budget.trial_trees]}
+    taus = {TreeOptions(*row[3:]): row[1] for row in list(best_by_size.values())[:budget.trial_trees]}
     variants = {tree: (head if tree else None, {"tree": tree or "none"}) for tree in [None, *taus]}
     trial_ms = {tree: rate["step_ms"] for tree, rate in decode_trial(
         generator, model, runner, variants, calibration_inputs, max_new_tokens, budget.rounds).items()}
     plain_ms = trial_ms.pop(None)
-    measured = [(1000 * tau / trial_ms[o], tau, trial_ms[o], o.depth, o.top_k, o.total_tokens)
-                for o, tau in taus.items()]
+    measured = [(1000 * tau / trial_ms[o], tau, trial_ms[o], *astuple(o)) for o, tau in taus.items()]
     # no tree at all when the runner verifies none (a single one-token bucket)
-    tps, tau, step_ms, depth, top_k, total = prefer_smaller(measured, verify_size) if measured else \
-        (0.0, 1.0, plain_ms, 0, 0, 0)
+    tps, tau, step_ms, depth, top_k, total = prefer_smaller(measured, verify_size) or (0.0, 1.0, plain_ms, 0, 0, 0)
     options = TreeOptions(depth=depth, top_k=top_k, total_tokens=total) if tps > 1000 / plain_ms else None
     choice = f"depth={depth} top_k={top_k} total_tokens={total}" if options else "none (plain decoding)"  # verbose line
     draft_vocab = None
@@ -355,7 +339,6 @@ def auto_tree(
     if lookup_tokens > 0:
         # the branch's nodes come on top of the tree's: the largest bucket timed bounds the two together, and a
         # branch that fits the tree's next bucket may beat a longer one verified in a costlier bucket
-        buckets = getattr(runner, "buckets", None)
         tree_size = options.tree_size if options is not None else 1
         timed = max(verify_ms) + 1  # the largest bucket timed, root included
         above = [b - tree_size for b in buckets or () if tree_size < b <= timed]
@@ -394,7 +377,7 @@ def auto_tree(
         "draft_ms": {f"{d},{k}": v for (d, k), v in draft_ms.items()},
         "overhead_ms": overhead,
         "calibration_steps": len(recorder.records),
-        "top_candidates": [dict(zip(ROW, row)) for row in sorted(table, reverse=True)[:5]],
+        "top_candidates": [dict(zip(ROW, row)) for row in table[:5]],
     }
     if verbose:
         print(f"tree auto: {choice} (best tree: replayed tau {tau:.2f}, measured {step_ms:.1f} ms/step, "
