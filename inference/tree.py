@@ -78,8 +78,7 @@ class DraftTree:
         """Every row a chain: its root (B,), then drafted (B, g) (None: the root alone); q (B, g, V) the
         distribution each drafted token was sampled from; origin: one bit mask for every drafted node."""
         b = roots.shape[0]
-        if drafted is None:
-            drafted = roots.new_zeros(b, 0)
+        drafted = roots.new_zeros(b, 0) if drafted is None else drafted
         n = 1 + drafted.shape[1]
         device = roots.device
         line = torch.arange(n, device=device)
@@ -118,15 +117,13 @@ def expand_tree(scores: torch.Tensor, tokens: torch.Tensor, last_hidden: torch.T
     frontier = torch.arange(k, device=device).expand(b, k)  # candidate ids of the nodes to expand
     frontier_scores, frontier_tokens = scores, tokens
     parent_hidden = last_hidden.expand(b, k, -1).contiguous()  # contiguous: a compiled step guards on strides
-    parent_fed = None  # (B, k) each frontier node's parent among the fed nodes (None at depth 1)
+    parent_fed = torch.zeros(b, k, dtype=torch.long, device=device)  # (B, k) each frontier node's parent among fed
     fed_allowed = torch.zeros(b, 0, 0, dtype=torch.bool, device=device)  # (B, f, f) ancestry among fed nodes
     eye = torch.eye(k, dtype=torch.bool, device=device).expand(b, k, k)
     num = k
     for d in range(1, depth):
         f = fed_allowed.shape[1]
-        rows = (torch.zeros(b, k, f, dtype=torch.bool, device=device) if parent_fed is None
-                else fed_allowed.gather(1, parent_fed[:, :, None].expand(-1, -1, f)))
-        rows = torch.cat([rows, eye], dim=2)  # (B, k, f+k)
+        rows = torch.cat([fed_allowed.gather(1, parent_fed[:, :, None].expand(-1, -1, f)), eye], dim=2)  # (B, k, f+k)
         fed_allowed = torch.cat([torch.nn.functional.pad(fed_allowed, (0, k)), rows], dim=1)
         out, logp, child = step(d, f, frontier_tokens, parent_hidden, rows)
         kk = logp.shape[2]

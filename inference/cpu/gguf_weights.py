@@ -116,11 +116,8 @@ def _packers() -> dict:
             kinds.Q6_K: _q6_k}
 
 
-def pack_gguf_tensor(qtype, blocks: np.ndarray, rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """small_linear_q's (packed, params) of a tensor's (N, bytes) blocks (a format of _packers()), its rows reordered
-    by `rows` (row i of the result = row rows[i] of the file) when given."""
-    if rows is not None:
-        blocks = blocks[rows]
+def pack_gguf_tensor(qtype, blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """small_linear_q's (packed, params) of a tensor's (N, bytes) blocks (a format of _packers())."""
     packed, params = _packers()[qtype](np.ascontiguousarray(blocks))
     return torch.from_numpy(packed), torch.from_numpy(params)
 
@@ -141,10 +138,8 @@ def use_gguf_weights(model: nn.Module, path: str | Path) -> int:
 
     from drafthead.export_gguf import read_gguf
 
-    if not avx2_kernels_available():
-        return 0
     linears = [m for m in model.modules() if eligible(m)]
-    if not linears:
+    if not linears or not avx2_kernels_available():
         return 0
     wanted: dict[tuple, list[nn.Linear]] = {}
     for module in linears:
@@ -165,7 +160,7 @@ def use_gguf_weights(model: nn.Module, path: str | Path) -> int:
             rows = [where.get(row.tobytes()) for row in module.weight.numpy()]
             if any(r is None for r in rows):  # not this tensor's weights (or not an exact dequantization)
                 continue
-            packed, params = pack_gguf_tensor(qtype, blocks, np.array(rows))
+            packed, params = pack_gguf_tensor(qtype, blocks[rows])  # row i: row rows[i] of the file
             module.register_buffer("qpacked", packed, persistent=False)
             module.register_buffer("qparams", params, persistent=False)
             candidates.remove(module)  # matched: later tensors of this shape are not dequantized for it

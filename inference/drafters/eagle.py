@@ -58,9 +58,6 @@ class RowSlotCache:
         self.values[rows, :, self.slots] = values.transpose(1, 2)
         return self.keys, self.values
 
-    def __len__(self) -> int:
-        return self.keys.shape[2]
-
 
 class HeadDrafter(Drafter):
     """A drafter drafting EAGLE-2 trees with a DraftHead (it runs inside the target runner's session)."""
@@ -113,12 +110,11 @@ class HeadDrafter(Drafter):
     def begin(self, runner, input_ids: torch.Tensor, attention_mask, features: torch.Tensor) -> None:
         """Fresh buffers; the prompt's pairs the layout keeps wait for the first roots (the last pair's token)."""
         b, t = input_ids.shape
-        cfg = self.head.config
         device = features.device
         self.stable_slots = self.layout.size(runner.capacity)
         self.capacity = self.stable_slots + self.opt.depth * self.opt.top_k + 1
         self.dummy = self.capacity - 1  # the slot padded entries write to
-        shape = (b, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
+        shape = (b, self.head.config.num_key_value_heads, self.capacity, self.head.config.head_dim)
         if self.cache is None or tuple(self.cache.keys.shape) != shape:  # else reused: slot_pos says what is held
             self.cache = RowSlotCache(torch.zeros(shape, dtype=self.dtype, device=device),
                                       torch.zeros(shape, dtype=self.dtype, device=device))
@@ -208,9 +204,8 @@ class HeadDrafter(Drafter):
         return self.head(tokens, hidden, positions, to_additive(allowed.unsqueeze(1), self.dtype), self.cache)
 
     def _draft(self, roots: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """One drafting step: feed the pending pairs, take depth 1 from each row's last output, then tree.expand_tree
-        and select_tree; the frontier is written at the shared scratch slots and attends each row's true pairs plus
-        its own drafted ancestors."""
+        """One drafting step: feed the pending pairs, then expand and select each row's tree; the frontier, at the
+        shared scratch slots, attends its row's true pairs and its own drafted ancestors."""
         last = self._feed_pending(roots)  # (B, 1, H)
         scores, tokens = head_top_k(self.head, last[:, 0], self.opt.top_k)
         b = roots.shape[0]
@@ -235,8 +230,8 @@ class HeadDrafter(Drafter):
         p = self.pending
         tokens = torch.where(p["is_root"], roots[:, None], p["tokens"])
         last = self._feed_pairs(tokens, p["features"], p["positions"], p["valid"])
-        fed = torch.where(p["valid"], p["positions"], -1).max(dim=1).values + 1
-        self.next_pos = torch.where(p["valid"].any(dim=1), fed, self.next_pos)  # a finished row feeds nothing
+        fed = torch.where(p["valid"], p["positions"], -1).max(dim=1).values + 1  # 0 for a row feeding nothing
+        self.next_pos = torch.maximum(self.next_pos, fed)
         return last
 
     def _feed_pairs(self, tokens, features, positions, valid) -> torch.Tensor | None:

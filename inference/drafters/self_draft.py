@@ -88,15 +88,13 @@ class StreamingSelfDrafter(Drafter):
             self._caches[b] = static_cache(self.model, b, self.capacity)
         self.cache = self._caches[b]
         self.slot_pos = torch.full((b, self.capacity), -1, dtype=torch.long, device=runner.device)
-        self._refresh(torch.zeros_like(runner.positions), runner.positions)
+        self._refresh(list(range(b)), torch.zeros_like(runner.positions))
 
-    def _refresh(self, start: torch.Tensor, stop: torch.Tensor, rows: list[int] | None = None) -> None:
-        """Copy the kept committed positions [start_i, stop_i) of `rows` (default: the runner's rows; start, stop
-        (R,)) from the target's buffers: per row one copy along the slots for all layers at once."""
-        if rows is None:
-            rows = list(range(self.alive))
+    def _refresh(self, rows: list[int], start: torch.Tensor) -> None:
+        """Copy the kept committed positions of `rows` from start_i (start (R,)) up to the runner's from the target's
+        buffers: per row one copy along the slots for all layers at once."""
         index = torch.tensor(rows, device=start.device)
-        positions, valid = self.layout.needed(start, stop)
+        positions, valid = self.layout.needed(start, self.runner.positions[index])
         if positions.shape[1] == 0:
             return
         src = torch.where(valid, self.runner.start[index][:, None] + positions, self.runner.scratch)
@@ -152,14 +150,13 @@ class StreamingSelfDrafter(Drafter):
 
     def accept(self, accepted, features) -> None:
         """The runner has committed each row's accepted path: copy those entries into the draft buffers."""
-        self._refresh(self.drafted_from, self.runner.positions)
+        self._refresh(list(range(self.alive)), self.drafted_from)
 
     @torch.inference_mode()
     def admit(self, row: int, runner, ids, features) -> None:
         """Row `row` holds a new prompt in the runner: its sinks and last `window` entries, nothing else."""
         self.slot_pos[row] = -1
-        stop = runner.positions[row: row + 1]  # this row only
-        self._refresh(torch.zeros_like(stop), stop, [row])
+        self._refresh([row], runner.positions.new_zeros(1))
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Only `rows` go on, moved to the front of the same buffers (the batch keeps its size and graph)."""

@@ -130,11 +130,11 @@ def prefix_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
 AttentionInterface.register(PREFILL_NAME, prefix_sdpa_attention)
 
 
-def kv_length_kwargs(model: nn.Module, kv_length: int | torch.Tensor | None, rows: torch.Tensor | None = None) -> dict:
+def kv_length_kwargs(model: nn.Module, kv_length: int | torch.Tensor, rows: torch.Tensor | None = None) -> dict:
     """The forward kwargs telling this project's attention kernels the used slots of a buffer and the rows in use."""
     implementation = model.config._attn_implementation
     kwargs = {}
-    if kv_length is not None and implementation in (NAME, KERNEL_NAME, PREFILL_NAME):
+    if implementation in (NAME, KERNEL_NAME, PREFILL_NAME):
         kwargs["drafthead_kv_length"] = torch.as_tensor(kv_length)
     if rows is not None and implementation in (NAME, KERNEL_NAME):
         kwargs["drafthead_rows"] = rows

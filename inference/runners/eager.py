@@ -33,8 +33,7 @@ class EagerRunner:
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.start = torch.zeros(1, dtype=torch.long, device=self.device)  # one row, from slot 0
-        self.cache = DynamicCache()
-        self.capacity = 0
+        self.reset(1, 0)
         config = model.config.get_text_config(decoder=True)
         # tree masks are full attention: exact for a sliding-window model only while the sequence fits the window
         self.window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
@@ -92,9 +91,7 @@ class EagerRunner:
 
     def truncate(self, lengths: torch.Tensor) -> None:
         """Forget every committed token from position lengths[0] on (a draft model rolling back its drafts)."""
-        drop = self.cache.get_seq_length() - int(lengths[0])
-        if drop > 0:
-            self.cache.crop(-drop)  # transformers: a negative count of tokens to remove
+        self.cache.crop(min(int(lengths[0]) - self.cache.get_seq_length(), 0))  # a negative count of tokens to remove
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         pass  # one row: it only ever leaves when decoding ends

@@ -89,8 +89,7 @@ class StaticRunner:
             release_steps(self._steps.values())
             self.cache, self._steps = None, {}  # the old buffers can go before the new ones are allocated
             self.cache = static_cache(self.model, batch, capacity)
-            self.capacity, self.scratch = capacity, capacity - 1
-            self.rows = batch
+            self.rows, self.capacity, self.scratch = batch, capacity, capacity - 1
             self.slot_ids = torch.arange(capacity, device=self.device)
         self.start = self.length = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.lengths = [0] * batch
