@@ -32,7 +32,7 @@ from drafthead.hardware import auto_dtype, synchronizer
 from drafthead.utils import dtype_name, parse_dtype, place_module
 
 from .decode import decode, left_pad, prefilled_requests
-from .tuning.budget import _median_ms
+from .tuning.budget import median_ms
 from .tuning.draft_vocab import assistant_token_counts, default_corpus, frequent_tokens
 from .drafter import Drafter, PlainDrafter
 from .drafters.draft_model import DraftModelDrafter, load_draft_model
@@ -218,7 +218,7 @@ class SpeculativeGenerator:
                 sizes = range(getattr(self.drafter, "smallest_tree", 1), self.drafter.tree_size + 1)
                 for n in sorted({bucket_for(n, buckets) for n in sizes} | ({1} if self.switch else set())):
                     tree = DraftTree.chain(ids[0, :1], ids[:, :1].repeat(1, n - 1))
-                    seconds[n] = _median_ms(lambda: runner.verify(tree.tokens, tree.depths, tree.ancestors), 1,
+                    seconds[n] = median_ms(lambda: runner.verify(tree.tokens, tree.depths, tree.ancestors), 1,
                                             self.device) / 1000
         if not self.plain:
             self.generate(ids, max_new_tokens=8, eos_token_id=[])

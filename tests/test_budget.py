@@ -19,7 +19,7 @@ torch.set_num_threads(1)
 
 def test_median_ms_runs_between_before_every_timed_call():
     calls = []
-    budget._median_ms(lambda: calls.append("timed"), 3, torch.device("cpu"), between=lambda: calls.append("between"))
+    budget.median_ms(lambda: calls.append("timed"), 3, torch.device("cpu"), between=lambda: calls.append("between"))
     assert calls == ["between", "timed"] * 3
 
 

@@ -44,7 +44,8 @@ def _hold(modules: list[nn.Module], kind: str) -> None:
 
 
 def eligible(module: nn.Module, float32: bool = False) -> bool:
-    """A CPU nn.Linear whose shape and dtype a kernel of this CPU takes (float32 ones only with `float32`)."""
+    """A CPU nn.Linear whose shape and dtype a kernel of this CPU takes: bf16 with AVX512-BF16 (out_features a
+    multiple of 32, in_features even), and with `float32` float32 with AVX2 (out_features a multiple of 16)."""
     if not isinstance(module, nn.Linear) or module.weight.device.type != "cpu":
         return False
     n, k = module.weight.shape

@@ -91,7 +91,9 @@ class EagerRunner:
 
     def truncate(self, lengths: torch.Tensor) -> None:
         """Forget every committed token from position lengths[0] on (a draft model rolling back its drafts)."""
-        self.cache.crop(min(int(lengths[0]) - self.cache.get_seq_length(), 0))  # a negative count of tokens to remove
+        drop = self.cache.get_seq_length() - int(lengths[0])
+        if drop > 0:  # (crop(0) may still trim a sliding-window layer's states)
+            self.cache.crop(-drop)  # transformers: a negative count of tokens to remove
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         pass  # one row: it only ever leaves when decoding ends

@@ -6,8 +6,9 @@ Layout of one row in the (B, kv_heads, capacity, head_dim) buffers (kv.static_ca
     [ left padding | committed tokens: slots start_i .. length_i-1 | hole | tree: W .. W+n-1 | ... | scratch ]
 
 verify() writes every row's tree at W = max_i length_i (per-row positions and 4D mask), padded to a bucket: one
-compiled graph per bucket and buffer shape. commit() copies each row's accepted nodes down to its length, so the
-hole never outlives a step. The rows in use are always the leading ones; the lengths are mirrored on the host.
+compiled graph per bucket and buffer shape (on a CPU, one row's buckets on the small-row kernel share one).
+commit() copies each row's accepted nodes down to its length, so the hole never outlives a step. The rows in use
+are always the leading ones; the lengths are mirrored on the host.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from drafthead.utils import atomic_write_json, dtype_name
 
 from ..cpu.kernels import source_digest
 from ..tree import TreeOptions
-from .budget import FULL, QUICK, TuningBudget, _median_ms, auto_tree
+from .budget import FULL, QUICK, TuningBudget, auto_tree, median_ms
 
 # generic chat requests (no asset needed); the correction's answer copies its context nearly word for word, so that
 # the prompt-lookup branch has something to gain in the tuning too (docs/history.md)
@@ -121,7 +121,7 @@ def estimate_s(model: nn.Module, inputs: list[torch.Tensor], compiled: bool = Fa
     ids = inputs[0][:, :64]
     with torch.inference_mode():
         model(ids)  # the first call pays one-time setup
-        forwards = TUNING_FORWARDS * _median_ms(lambda: model(ids), 1, ids.device) / 1000
+        forwards = TUNING_FORWARDS * median_ms(lambda: model(ids), 1, ids.device) / 1000
     if not compiled or ids.device.type == "cuda":
         return forwards
     layers = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", 30)

@@ -121,7 +121,7 @@ def _target_step(runner, tree: DraftTree) -> Callable[[], None]:
     return step
 
 
-def _median_ms(fn: Callable[[], object], reps: int, device: torch.device,
+def median_ms(fn: Callable[[], object], reps: int, device: torch.device,
                between: Callable[[], object] | None = None) -> float:
     """Median wall ms of `reps` device-synchronised calls of fn(), each after an untimed `between()`."""
     sync = synchronizer(device)
@@ -150,7 +150,7 @@ def measure_verify_ms(runner, prefix: torch.Tensor, sizes, reps: int = 15) -> di
         runner.prefill(prefix)
         for step in steps.values():
             step()  # warm-up (and the one-time compile of this shape)
-        rounds = [[_median_ms(step, 1, prefix.device) for step in steps.values()] for _ in range(reps)]
+        rounds = [[median_ms(step, 1, prefix.device) for step in steps.values()] for _ in range(reps)]
     return {n: statistics.median(t) for n, t in zip(steps, zip(*rounds))}
 
 
@@ -183,7 +183,7 @@ def measure_draft_ms(runner, head: DraftHead, prefix: torch.Tensor, trees: list[
                 drafter.propose(roots)
 
             step()  # warm-up
-            out[options] = _median_ms(step, reps, device, between=target_step)
+            out[options] = median_ms(step, reps, device, between=target_step)
         return out
 
 
