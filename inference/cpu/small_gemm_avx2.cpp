@@ -215,19 +215,21 @@ void multiply(const float* a, int64_t m_total, int64_t k, Block block, int64_t b
   constexpr bool plain = std::is_same_v<Cursor, Plain<float>> || std::is_same_v<Cursor, Plain<int8_t>>;
   at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
     alignas(64) float tile[kChunk * kBlock];
-    int64_t grouped = first;  // one row: the blocks before it are summed kRowBlocks at a time, the rest one by one
-    for (; plain && m_total == 1 && grouped + kRowBlocks <= last; grouped += kRowBlocks) {
-      for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
-        Cursor pieces[kRowBlocks];
-        for (int j = 0; j < kRowBlocks; ++j) pieces[j] = block(grouped + j).at(k0);
-        block_dot<1, kRowBlocks>(a + k0, k, pieces, std::min(kChunk, k - k0), k0 == 0, y + grouped * kBlock, n);
-      }
-    }
-    for (int64_t blk = first; blk < last; ++blk) {
+    for (int64_t blk = first; blk < last;) {
+      // one row of float32 or int8 weights: kRowBlocks blocks a pass while they last, else one
+      const int64_t span = plain && m_total == 1 && blk + kRowBlocks <= last ? kRowBlocks : 1;
       const int64_t col = blk * kBlock;
       const Cursor weights = block(blk);
-      for (int64_t k0 = blk < grouped ? k : 0; k0 < k; k0 += kChunk) {
+      for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
         const int64_t chunk = std::min(kChunk, k - k0);
+        if constexpr (plain) {
+          if (span == kRowBlocks) {
+            Cursor pieces[kRowBlocks];
+            for (int j = 0; j < kRowBlocks; ++j) pieces[j] = block(blk + j).at(k0);
+            block_dot<1, kRowBlocks>(a + k0, k, pieces, chunk, k0 == 0, y + col, n);
+            continue;
+          }
+        }
         const auto row_groups = [&](const auto& w) {  // every group of rows times the piece `w`
           using W = std::decay_t<decltype(w)>;
           for (int64_t m0 = 0; m0 < m_total; m0 += kMaxRows) {
@@ -243,12 +245,13 @@ void multiply(const float* a, int64_t m_total, int64_t k, Block block, int64_t b
           row_groups(piece);
         }
       }
+      blk += span;
       if (scale == nullptr && bias == nullptr) continue;
-      for (int64_t c = 0; c < kBlock; c += 8) {
-        const __m256 s = scale != nullptr ? _mm256_loadu_ps(scale + col + c) : _mm256_set1_ps(1.0f);
-        const __m256 add = bias != nullptr ? _mm256_loadu_ps(bias + col + c) : _mm256_setzero_ps();
+      for (int64_t c = col; c < blk * kBlock; c += 8) {
+        const __m256 s = scale != nullptr ? _mm256_loadu_ps(scale + c) : _mm256_set1_ps(1.0f);
+        const __m256 add = bias != nullptr ? _mm256_loadu_ps(bias + c) : _mm256_setzero_ps();
         for (int64_t m = 0; m < m_total; ++m)
-          _mm256_storeu_ps(y + m * n + col + c, _mm256_fmadd_ps(_mm256_loadu_ps(y + m * n + col + c), s, add));
+          _mm256_storeu_ps(y + m * n + c, _mm256_fmadd_ps(_mm256_loadu_ps(y + m * n + c), s, add));
       }
     }
   });
