@@ -99,7 +99,7 @@ def test_tiny_gguf_target_decodes_as_its_dequantized_model(tmp_path, arch):
     for tree in ("none", "2,2,4"):
         reference = SpeculativeGenerator(dequantized, copy.deepcopy(head).attach_target(dequantized), tree=tree)
         gen = SpeculativeGenerator(quantized, copy.deepcopy(head).attach_target(quantized), tree=tree)
-        assert gen.runner.quantized and gen.runner.kernel_rows[0] == 1
+        assert gen.runner.quantized and gen.runner.small_rows
         for ids in prompts:
             out = gen.generate(ids, max_new_tokens=24).sequences
             assert torch.equal(out, reference.generate(ids, max_new_tokens=24).sequences)

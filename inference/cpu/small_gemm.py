@@ -26,7 +26,6 @@ BATCH_KERNEL_ROWS = 64  # a batch's verify (rows x tree tokens): still beats one
 # the switches of small_row_kernel() (row limit 0: outside) and int8_weights(): module globals, so a compiled step
 # guards on them (it skips guards on nn.Module state)
 _row_limit = 0
-_row_min = 1
 _int8_active = False
 # live_entries(): the leading entries the kernels multiply; a tensor filled in place, passed to every kernel call,
 # so a compiled step reads its value at each call (no new graph per value)
@@ -65,9 +64,9 @@ def _module_global(name: str, value):
 
 
 @contextlib.contextmanager
-def small_row_kernel(max_rows: int = KERNEL_ROWS, min_rows: int = 1):
-    """Inside this context SmallRowLinear modules multiply inputs of `min_rows` to `max_rows` rows with the kernel."""
-    with _module_global("_row_limit", max_rows), _module_global("_row_min", min_rows):
+def small_row_kernel(max_rows: int = KERNEL_ROWS):
+    """Inside this context SmallRowLinear modules multiply inputs of up to `max_rows` rows with the kernel."""
+    with _module_global("_row_limit", max_rows):
         yield
 
 
@@ -95,7 +94,7 @@ class SmallRowLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _int8_active and self.int8_weight is not None:
             return int8_linear(x, self.int8_weight, self.int8_columns, self.bias)
-        if _row_limit and _row_min * x.shape[-1] <= x.numel() <= _row_limit * x.shape[-1]:
+        if _row_limit and x.numel() <= _row_limit * x.shape[-1]:
             if self.qpacked is not None and x.dtype == torch.float32:  # = the float32 kernel on the dequantized W
                 return torch.ops.drafthead_avx2.small_linear_q(x, self.qpacked, self.qparams, self.bias, _live)
             packed = self.packed

@@ -34,7 +34,13 @@
 namespace {
 
 constexpr int64_t kBlock = 16;   // output columns per block (one vector of 16 floats, or two of 8)
-constexpr int64_t kChunk = 256;  // k per pass: a block's 256 x 16 weights (16 KB float) stay in L1 for every row group
+// k per pass: a block's piece of kChunk x 16 weights stays in L1 while every row group multiplies it; with AVX2's
+// 4-row groups a 4 KB float piece beats 16 KB from 5 rows on (docs/results/small_gemm_avx2_chunk_zen3.json)
+#ifdef __AVX512F__
+constexpr int64_t kChunk = 256;
+#else
+constexpr int64_t kChunk = 64;
+#endif
 // one row of float32 or int8 weights: this many blocks a pass, so that enough FMA chains run while the weights
 // stream (docs/results/small_gemm_avx2_row_blocks_zen3.json)
 constexpr int kRowBlocks = 3;

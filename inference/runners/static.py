@@ -147,21 +147,10 @@ class StaticRunner:
     @contextlib.contextmanager
     def session(self):
         """The decoding session: the compiler settings of the compiled steps (the drafter's too), attention
-        dispatched to the runner's kernel, and the small-row GEMM for kernel_rows."""
-        low, high = self.kernel_rows
-        rows = small_row_kernel(high, low) if high else contextlib.nullcontext()
+        dispatched to the runner's kernel, and the linears of up to BATCH_KERNEL_ROWS rows to the small-row kernel."""
+        rows = small_row_kernel(BATCH_KERNEL_ROWS) if self.small_rows else contextlib.nullcontext()
         with scoped_settings(self.device.type != "cuda"), attention_implementation(self.model, self.attention), rows:
             yield
-
-    @property
-    def kernel_rows(self) -> tuple[int, int]:
-        """(fewest, most) rows x tokens a step's linears multiply with the small-row kernel ((0, 0): never). Float32
-        at one row compiled leaves up to SMALL_GEMM_ROWS rows to inductor's GEMMs, which beat the kernel there
-        (docs/results/small_gemm_avx2_unrolled_zen3.json) but cost 4-5x more past them (a tree's verification)."""
-        if not self.small_rows:
-            return 0, 0
-        one_row_fp32 = self.rows == 1 and self.compiled and self.dtype == torch.float32 and not self.quantized
-        return (SMALL_GEMM_ROWS + 1 if one_row_fp32 else 1), BATCH_KERNEL_ROWS
 
     def close(self) -> None:
         """Free the compiled steps and buffers, and give the model back as it was (hooks, linears)."""
@@ -197,8 +186,9 @@ class StaticRunner:
             return self._step_forward
         if size not in self._steps:
             self.shapes.add((self.rows, self.capacity, size))
-            low, high = self.kernel_rows
-            kernel = low <= self.rows * size <= high  # the linears run small_gemm.py's kernel (a CPU's only)
+            # the linears run small_gemm.py's kernel (a CPU's only; also at one row, where inductor's C++ GEMMs are
+            # about as fast but their graphs cannot be cached: docs/results/small_gemm_avx2_chunk_zen3.json)
+            kernel = self.small_rows and self.rows * size <= BATCH_KERNEL_ROWS
             small = self.rows * size <= SMALL_GEMM_ROWS and not kernel
             shared = self.rows == 1 and size > 1 and kernel
             key = "shared" if shared else size
