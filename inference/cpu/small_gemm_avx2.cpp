@@ -34,13 +34,6 @@
 namespace {
 
 constexpr int64_t kBlock = 16;   // output columns per block (one vector of 16 floats, or two of 8)
-// k per pass: a block's piece of kChunk x 16 weights stays in L1 while every row group multiplies it; with AVX2's
-// 4-row groups a 4 KB float piece beats 16 KB from 5 rows on (docs/results/small_gemm_avx2_chunk_zen3.json)
-#ifdef __AVX512F__
-constexpr int64_t kChunk = 256;
-#else
-constexpr int64_t kChunk = 64;
-#endif
 // one row of float32 or int8 weights: this many blocks a pass, so that enough FMA chains run while the weights
 // stream (docs/results/small_gemm_avx2_row_blocks_zen3.json)
 constexpr int kRowBlocks = 3;
@@ -51,6 +44,7 @@ constexpr int kRowBlocks = 3;
 // same float32 operations in the same order either way: the results are bit-identical.
 #ifdef __AVX512F__
 constexpr int kMaxRows = 16;  // rows accumulated at once (16 of the 32 registers)
+constexpr int64_t kChunk = 256;  // k per pass: a block's kChunk x 16 piece stays in L1 for every row group
 struct Columns {
   __m512 v;
   static Columns zero() { return {_mm512_setzero_ps()}; }
@@ -69,6 +63,9 @@ struct Columns {
 };
 #else
 constexpr int kMaxRows = 4;  // rows accumulated at once (2 x 4 = 8 accumulator registers; more spill)
+// a 4 KB float piece: with the rows streaming past it, 16 KB overflowed L1 from 5 rows on
+// (docs/results/small_gemm_avx2_chunk_zen3.json)
+constexpr int64_t kChunk = 64;
 struct Columns {
   __m256 lo, hi;
   static Columns zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
