@@ -119,6 +119,39 @@ def test_float32_siblings_sharing_an_input_become_one_call_with_bit_identical_re
         assert torch.equal(projections.k(x) * 2, after[1])
 
 
+def test_siblings_fuse_in_an_unfrozen_compiled_step_whose_graph_is_cached_whole():
+    """A decoding step whose linears all run the kernel compiles unfrozen (scoped_settings): its packed weights are
+    graph inputs, which the pass still fuses (their fake values share the buffer's storage), and the graph goes to
+    AOTAutograd's cache, which a frozen graph bypasses: the next process loads it instead of compiling."""
+    from test_small_gemm import KernelCalls, Projections
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+
+    from inference.cpu.small_gemm import FuseSiblingLinears
+    from inference.runners.compile import scoped_settings
+
+    class Counted(FuseSiblingLinears):
+        calls: list[int] = []
+
+        def __call__(self, graph):
+            super().__call__(graph)
+            op = torch.ops.drafthead_avx2.small_linear.default
+            self.calls.append(sum(node.target is op for node in graph.nodes))
+
+    projections = Projections(torch.float32)
+    use_small_row_kernel(projections, float32=True)
+    calls = KernelCalls(projections, "drafthead_avx2")
+    x = torch.randn(3, 64)
+    torch._dynamo.reset()
+    bypassed = counters["aot_autograd"]["autograd_cache_bypass"]
+    with scoped_settings(cpu=True), fresh_cache():  # (a cache hit skips the pass)
+        compiled = torch.compile(calls, options={"post_grad_custom_post_pass": Counted()})(x)
+    assert Counted.calls == [2]  # q/k/v as one call, o alone
+    assert all(torch.equal(a, b) for a, b in zip(compiled, calls(x)))
+    assert counters["aot_autograd"]["autograd_cache_bypass"] == bypassed
+    assert counters["aot_autograd"]["autograd_cache_saved"] + counters["aot_autograd"]["autograd_cache_hit"] > 0
+
+
 # ---------------------------------------------------------------------------------------------- int8 drafting
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 16])
 @pytest.mark.parametrize("bias", [False, True])

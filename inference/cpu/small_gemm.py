@@ -272,7 +272,7 @@ def _unconvert(module: nn.Module, own_class: type) -> None:
 def _continues(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     """True when call b's operands continue call a's, each pair in one storage: packed weight b[0] starts where a[0]
     ends, and int8 columns (2, N) b[1], if any, continue a[1] along dim 1 (use_int8_weights' slices)."""
-    if any(x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr() for x, y in zip(a, b)):
+    if any(x.untyped_storage()._cdata != y.untyped_storage()._cdata for x, y in zip(a, b)):
         return False
     if not (a[0].is_contiguous() and b[0].is_contiguous()
             and a[0].storage_offset() + a[0].numel() == b[0].storage_offset()):
@@ -284,21 +284,31 @@ def _continues(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 class FuseSiblingLinears(CustomGraphPass):
     """Inductor post-grad pass: small_linear (small_linear_int8) calls that share an input and whose packed weights
     (and int8 columns) lie back to back in one buffer become ONE call over that span (a view: no copy), its output
-    sliced per original call; bit-identical, as the kernels sum every column alike."""
+    sliced per original call; bit-identical, as the kernels sum every column alike. The weights are a frozen graph's
+    constants or an unfrozen graph's inputs (their fake values share a storage as the real ones do); a cached graph
+    relies on the layout use_small_row_kernel packs, which this file's digest (uuid) covers."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         module = graph.owning_module
-        ops = {}  # op -> (its get_attr operands after x, output columns per packed block)
+        ops = {}  # op -> (its weight operands after x, output columns per packed block)
         for library, block in (("drafthead_kernels", BLOCK), ("drafthead_avx2", FLOAT_BLOCK)):
             for name, operands in (("small_linear", 1), ("small_linear_int8", 2)):
                 with contextlib.suppress(AttributeError):  # a library never loaded has no call to fuse
                     ops[getattr(getattr(torch.ops, library), name).default] = (operands, block)
+
+        def weight(node):  # a weight operand's tensor (real when frozen, fake when an input), or None
+            if isinstance(node, torch.fx.Node) and node.op == "get_attr":
+                return attrgetter(node.target)(module)
+            if isinstance(node, torch.fx.Node) and node.op == "placeholder":
+                return node.meta.get("val")
+            return None
+
         by_input: dict[tuple, list[torch.fx.Node]] = {}
         for node in graph.nodes:
             operands = ops[node.target][0] if node.op == "call_function" and node.target in ops else None
             rest = node.args[1 + operands:] if operands else ()  # (bias, then small_linear's live entries)
             if (operands and not node.kwargs and len(node.args) >= 1 + operands
-                    and all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in node.args[1: 1 + operands])
+                    and all(isinstance(weight(a), torch.Tensor) for a in node.args[1: 1 + operands])
                     and (not rest or rest[0] is None)):
                 extra = tuple(id(attrgetter(a.target)(module)) if isinstance(a, torch.fx.Node) and a.op == "get_attr"
                               else a for a in rest[1:])  # (one tensor read through several get_attr nodes: alike)
@@ -307,8 +317,8 @@ class FuseSiblingLinears(CustomGraphPass):
         for (op, _, _), calls in by_input.items():
             if len(calls) < 2:
                 continue
-            tensors = {n: [attrgetter(a.target)(module) for a in n.args[1: 1 + ops[op][0]]] for n in calls}
-            calls.sort(key=lambda n: (tensors[n][0].untyped_storage().data_ptr(), tensors[n][0].storage_offset()))
+            tensors = {n: [weight(a) for a in n.args[1: 1 + ops[op][0]]] for n in calls}
+            calls.sort(key=lambda n: (tensors[n][0].untyped_storage()._cdata, tensors[n][0].storage_offset()))
             run: list[torch.fx.Node] = []
             for node in calls + [None]:
                 if node is not None and (not run or _continues(tensors[run[-1]], tensors[node])):
@@ -323,17 +333,22 @@ class FuseSiblingLinears(CustomGraphPass):
         name = f"_{calls[0].name}_fused"  # (FX node names are unique in a graph)
         first = operands[0][0]
         blocks = sum(w[0].shape[0] for w in operands)
-        spans = [first.as_strided((blocks, *first.shape[1:]), first.stride(), first.storage_offset())]
+        spans = [((blocks, *first.shape[1:]), first.stride(), first.storage_offset())]
         if len(operands[0]) == 2:  # the int8 columns (2, N) over the same span
             columns = operands[0][1]
-            spans.append(columns.as_strided((2, blocks * block), columns.stride(), columns.storage_offset()))
-        for i, span in enumerate(spans):
-            module.register_buffer(f"{name}_{i}", span, persistent=False)
+            spans.append(((2, blocks * block), columns.stride(), columns.storage_offset()))
         x = calls[0].args[0]
         earliest = min(calls, key=order.__getitem__)
         val = x.meta.get("val")
         with graph.inserting_before(earliest):
-            attrs = [graph.get_attr(f"{name}_{i}") for i in range(len(spans))]
+            attrs = []
+            for i, (span, source) in enumerate(zip(spans, calls[0].args[1:])):
+                if source.op == "get_attr":  # a frozen constant: a buffer viewing the span
+                    module.register_buffer(f"{name}_{i}", operands[0][i].as_strided(*span), persistent=False)
+                    attrs.append(graph.get_attr(f"{name}_{i}"))
+                else:  # a graph input: a view of its storage, made in the graph (as_strided's offset is absolute)
+                    attrs.append(graph.call_function(torch.ops.aten.as_strided.default, (source, *span)))
+                    attrs[-1].meta["val"] = operands[0][i].as_strided(*span)
             extra = calls[0].args[2 + len(operands[0]):]  # (small_linear's live entries, after the bias)
             out = graph.call_function(op, (x, *attrs, None, *extra))
             parts, start = [], 0

@@ -70,7 +70,7 @@ class HeadDrafter(Drafter):
         self.head = head.eval()
         self.dtype = next(head.parameters()).dtype
         self.device = next(head.parameters()).device
-        use_small_row_kernel(head, float32=True)
+        kernel = use_small_row_kernel(head, float32=True) > 0
         self.attention = decoding_attention(self.device, self.dtype)
         # "auto": a float32 head drafts from int8 copies, a quarter of the bytes a depth, accepted as often
         # (docs/results/gguf_q4_1_draft_weights_int8_spr_amx.json)
@@ -87,7 +87,7 @@ class HeadDrafter(Drafter):
         self.pending: dict[str, torch.Tensor] = {}  # true pairs waiting for the next root
         # a steady drafting step: one compiled graph per tree shape and batch size (a prompt's feed runs eagerly)
         self.compiled = compile
-        self._step = (compile_step(self._draft, self.device, cpp_wrapper=self.device.type == "cpu",
+        self._step = (compile_step(self._draft, self.device, cpp_wrapper=self.device.type == "cpu", frozen=not kernel,
                                    name=f"draft{options.depth}_{options.top_k}_{options.total_tokens}")
                       if compile else self._draft)
 

@@ -32,7 +32,7 @@ def compile_setting(compile: bool | str, device: torch.device, tuned: bool = Fal
 
 
 def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str = "", cpp_wrapper: bool = False,
-                 unguarded: tuple[str, ...] = (), dynamic: dict[int, int] | None = None):
+                 unguarded: tuple[str, ...] = (), dynamic: dict[int, int] | None = None, frozen: bool = True):
     """torch.compile for a fixed-shape decoding step: CUDA graphs on CUDA; on CPU inductor with frozen weights and
     linears sharing an input concatenated. Run the step inside scoped_settings (a runner's session).
     `small_gemm` (CPU, a few rows not on small_gemm.py's kernel): inductor's own C++ GEMMs, faster than oneDNN there.
@@ -40,7 +40,10 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
     docs/results/HISTORY_LONG_CONTEXT.md). `name` tells the compiled copies apart in profiles.
     `unguarded`: attribute paths of `fn`'s self (e.g. "self.cache") whose guards are skipped: objects the caller
     never swaps while the step lives, or whose step it releases (release_steps) when it does.
-    `dynamic` (CPU): {argument index: dimension} kept symbolic (marked at every call): one graph for all sizes."""
+    `dynamic` (CPU): {argument index: dimension} kept symbolic (marked at every call): one graph for all sizes.
+    `frozen` (CPU): weights folded in as constants, prepacked for oneDNN; a step whose linears all run small_gemm.py's
+    kernels gains nothing from it, and unfrozen its graph is cached whole, so a later process skips most of the
+    compile (docs/results/compile_cache_unfrozen_zen3.json)."""
 
     # the model is frozen and each runner compiles its own code (own_code): skip its parameters' guards
     def guard_filter(entries):
@@ -63,6 +66,12 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
         if small_gemm:
             options.update(max_autotune=True, max_autotune_gemm_backends="CPP", autotune_fallback_to_aten=True)
         step = torch.compile(fn, dynamic=None if dynamic else False, options=options)
+        if frozen:  # (inductor reads freezing from its config when a graph compiles, not from `options`)
+            graph_step = step
+
+            def step(*args):
+                with torch._inductor.config.patch(freezing=True):
+                    return graph_step(*args)
         if dynamic:
             compiled = step
 
@@ -77,12 +86,12 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
 @contextlib.contextmanager
 def scoped_settings(cpu: bool):
     """The compiler settings decoding steps compile and run under, restored afterwards: room for one graph per
-    verify bucket and buffer size; on CPU, frozen weights prepacked for oneDNN (an `options` entry is not honoured)
-    and one GEMM for linears that share an input."""
+    verify bucket and buffer size; on CPU, weights not frozen unless a step asks (compile_step's `frozen`), and one
+    GEMM for linears that share an input (a frozen step's)."""
     dynamo = torch._dynamo.config
     limits = dict(recompile_limit=max(dynamo.recompile_limit, 64),
                   accumulated_recompile_limit=max(dynamo.accumulated_recompile_limit, 256))
-    inductor = {"freezing": True, "cpp.enable_concat_linear": True} if cpu else {}
+    inductor = {"freezing": False, "cpp.enable_concat_linear": True} if cpu else {}
     with dynamo.patch(limits), torch._inductor.config.patch(inductor):
         yield
 

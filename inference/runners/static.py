@@ -194,7 +194,7 @@ class StaticRunner:
             key = "shared" if shared else size
             if key not in self._steps:  # shared: tokens, positions and mask have the tree's size in dims 1, 1, 2
                 # the buffers' guards are skipped (`unguarded`): new buffers come with new steps (reset)
-                self._steps[key] = compile_step(self._step_forward, self.device, small_gemm=small,
+                self._steps[key] = compile_step(self._step_forward, self.device, small_gemm=small, frozen=not kernel,
                                                 dynamic={0: 1, 1: 1, 2: 2} if shared else None,
                                                 name=f"verify{self.rows}x{key}", unguarded=("self.cache",))
             self._steps[size] = self._steps[key]
