@@ -33,8 +33,8 @@ def compile_setting(compile: bool | str, device: torch.device, tuned: bool = Fal
 
 def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str = "", cpp_wrapper: bool = False,
                  unguarded: tuple[str, ...] = (), dynamic: dict[int, int] | None = None, frozen: bool = True):
-    """torch.compile for a fixed-shape decoding step: CUDA graphs on CUDA; on CPU inductor with frozen weights and
-    linears sharing an input concatenated. Run the step inside scoped_settings (a runner's session).
+    """torch.compile for a fixed-shape decoding step: CUDA graphs on CUDA; on CPU inductor, the small-row kernels'
+    calls that share an input fused into one. Run the step inside scoped_settings (a runner's session).
     `small_gemm` (CPU, a few rows not on small_gemm.py's kernel): inductor's own C++ GEMMs, faster than oneDNN there.
     `cpp_wrapper` (CPU): calls made from generated C++, which pays for steps of many small kernels (drafting;
     docs/results/HISTORY_LONG_CONTEXT.md). `name` tells the compiled copies apart in profiles.
