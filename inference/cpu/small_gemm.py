@@ -296,12 +296,10 @@ class FuseSiblingLinears(CustomGraphPass):
                 with contextlib.suppress(AttributeError):  # a library never loaded has no call to fuse
                     ops[getattr(getattr(torch.ops, library), name).default] = (operands, block)
 
-        def weight(node):  # a weight operand's tensor (real when frozen, fake when an input), or None
-            if isinstance(node, torch.fx.Node) and node.op == "get_attr":
-                return attrgetter(node.target)(module)
-            if isinstance(node, torch.fx.Node) and node.op == "placeholder":
-                return node.meta.get("val")
-            return None
+        def weight(node):  # a weight operand's tensor: a frozen graph's constant (real), an input (fake), else None
+            kind = node.op if isinstance(node, torch.fx.Node) else None
+            return (attrgetter(node.target)(module) if kind == "get_attr" else
+                    node.meta.get("val") if kind == "placeholder" else None)
 
         by_input: dict[tuple, list[torch.fx.Node]] = {}
         for node in graph.nodes:

@@ -41,9 +41,8 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
     `unguarded`: attribute paths of `fn`'s self (e.g. "self.cache") whose guards are skipped: objects the caller
     never swaps while the step lives, or whose step it releases (release_steps) when it does.
     `dynamic` (CPU): {argument index: dimension} kept symbolic (marked at every call): one graph for all sizes.
-    `frozen` (CPU): weights folded in as constants, prepacked for oneDNN; a step whose linears all run small_gemm.py's
-    kernels gains nothing from it, and unfrozen its graph is cached whole, so a later process skips most of the
-    compile (docs/results/compile_cache_unfrozen_zen3.json)."""
+    `frozen` (CPU): weights as constants, prepacked for oneDNN; useless where all linears run small_gemm.py's
+    kernels, and unfrozen a graph is cached whole (docs/results/compile_cache_unfrozen_zen3.json)."""
 
     # the model is frozen and each runner compiles its own code (own_code): skip its parameters' guards
     def guard_filter(entries):
@@ -65,23 +64,16 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
             options["cpp_wrapper"] = True
         if small_gemm:
             options.update(max_autotune=True, max_autotune_gemm_backends="CPP", autotune_fallback_to_aten=True)
-        step = torch.compile(fn, dynamic=None if dynamic else False, options=options)
-        if frozen:  # (inductor reads freezing from its config when a graph compiles, not from `options`)
-            graph_step, config = step, torch._inductor.config
+        compiled = torch.compile(fn, dynamic=None if dynamic else False, options=options)
 
-            def step(*args):  # (set and restored directly: config.patch costs 5x more a call)
-                previous, config.freezing = config.freezing, True
-                try:
-                    return graph_step(*args)
-                finally:
-                    config.freezing = previous
-        if dynamic:
-            compiled = step
-
-            def step(*args):
-                for i, dim in dynamic.items():
-                    torch._dynamo.mark_dynamic(args[i], dim)
+        def step(*args):  # freezing is read when a graph compiles, not from `options`: set here (patch() costs 5x more)
+            for i, dim in (dynamic or {}).items():
+                torch._dynamo.mark_dynamic(args[i], dim)
+            previous, torch._inductor.config.freezing = torch._inductor.config.freezing, frozen
+            try:
                 return compiled(*args)
+            finally:
+                torch._inductor.config.freezing = previous
     step.drafthead_code = fn.__func__.__code__  # (release_steps)
     return step
 
@@ -89,12 +81,12 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
 @contextlib.contextmanager
 def scoped_settings(cpu: bool):
     """The compiler settings decoding steps compile and run under, restored afterwards: room for one graph per
-    verify bucket and buffer size; on CPU, weights not frozen unless a step asks (compile_step's `frozen`), and one
-    GEMM for linears that share an input (a frozen step's)."""
+    verify bucket and buffer size; on CPU one GEMM for linears that share an input (a frozen step's; compile_step sets
+    freezing per step)."""
     dynamo = torch._dynamo.config
     limits = dict(recompile_limit=max(dynamo.recompile_limit, 64),
                   accumulated_recompile_limit=max(dynamo.accumulated_recompile_limit, 256))
-    inductor = {"freezing": False, "cpp.enable_concat_linear": True} if cpu else {}
+    inductor = {"cpp.enable_concat_linear": True} if cpu else {}
     with dynamo.patch(limits), torch._inductor.config.patch(inductor):
         yield
 
