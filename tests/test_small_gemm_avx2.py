@@ -120,7 +120,7 @@ def test_float32_siblings_sharing_an_input_become_one_call_with_bit_identical_re
 
 
 def test_siblings_fuse_in_an_unfrozen_compiled_step_whose_graph_is_cached_whole():
-    """A decoding step whose linears all run the kernel compiles unfrozen (compile_step): its packed weights are
+    """A decoding step whose linears all run the kernel compiles unfrozen (scoped_settings): its packed weights are
     graph inputs, which the pass still fuses (their fake values share the buffer's storage), and the graph goes to
     AOTAutograd's cache, which a frozen graph bypasses: the next process loads it instead of compiling."""
     from test_small_gemm import KernelCalls, Projections

@@ -357,8 +357,9 @@ def test_cuda_graph_capture_is_lossless():
 @pytest.mark.slow
 def test_compiled_runners_of_different_models_never_share_graphs():
     """A frozen graph bakes in its weights and an unfrozen one (steps on the small-row kernels) reads them as inputs
-    of a graph cached by its code alone: two targets compiled in one process must each run their own weights. (Two-layer targets, one 8-token verify bucket: inductor's GEMM templates of the small buckets, costly
-    to tune, are test_compiled_runner_is_lossless_without_recompiles' subject.)"""
+    of a graph cached by its code alone: two targets compiled in one process must each run their own weights.
+    (Two-layer targets, one 8-token verify bucket: inductor's GEMM templates of the small buckets, costly to tune,
+    are test_compiled_runner_is_lossless_without_recompiles' subject.)"""
     a, b = tiny_model("llama", seed=0, num_layers=2), tiny_model("llama", seed=1, num_layers=2)
     prompt = prompts(1, 320, seed=7)[0]
     for model in (a, b):

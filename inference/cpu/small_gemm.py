@@ -295,7 +295,6 @@ class FuseSiblingLinears(CustomGraphPass):
             for name, operands in (("small_linear", 1), ("small_linear_int8", 2)):
                 with contextlib.suppress(AttributeError):  # a library never loaded has no call to fuse
                     ops[getattr(getattr(torch.ops, library), name).default] = (operands, block)
-
         def weight(node):  # a weight operand's tensor: a frozen graph's constant (real), an input (fake), else None
             kind = node.op if isinstance(node, torch.fx.Node) else None
             return (attrgetter(node.target)(module) if kind == "get_attr" else

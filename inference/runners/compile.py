@@ -66,10 +66,12 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
             options.update(max_autotune=True, max_autotune_gemm_backends="CPP", autotune_fallback_to_aten=True)
         compiled = torch.compile(fn, dynamic=None if dynamic else False, options=options)
 
-        def step(*args):  # freezing is read when a graph compiles, not from `options`: set here (patch() costs 5x more)
-            for i, dim in (dynamic or {}).items():
+        def step(*args):  # freezing is read when a graph compiles, not from `options`: a frozen step sets it around
+            for i, dim in (dynamic or {}).items():  # its call (patch() costs 5x more); scoped_settings turns it off
                 torch._dynamo.mark_dynamic(args[i], dim)
-            previous, torch._inductor.config.freezing = torch._inductor.config.freezing, frozen
+            if not frozen:
+                return compiled(*args)
+            previous, torch._inductor.config.freezing = torch._inductor.config.freezing, True
             try:
                 return compiled(*args)
             finally:
@@ -81,12 +83,12 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
 @contextlib.contextmanager
 def scoped_settings(cpu: bool):
     """The compiler settings decoding steps compile and run under, restored afterwards: room for one graph per
-    verify bucket and buffer size; on CPU one GEMM for linears that share an input (a frozen step's; compile_step sets
-    freezing per step)."""
+    verify bucket and buffer size; on CPU unfrozen weights (compile_step's `frozen` steps freeze theirs) and one GEMM
+    for linears that share an input (a frozen step's)."""
     dynamo = torch._dynamo.config
     limits = dict(recompile_limit=max(dynamo.recompile_limit, 64),
                   accumulated_recompile_limit=max(dynamo.accumulated_recompile_limit, 256))
-    inductor = {"cpp.enable_concat_linear": True} if cpu else {}
+    inductor = {"freezing": False, "cpp.enable_concat_linear": True} if cpu else {}
     with dynamo.patch(limits), torch._inductor.config.patch(inductor):
         yield
 
