@@ -214,9 +214,10 @@ class SpeculativeGenerator:
             runner.reset(1, max_length + self.drafter.tree_size)  # before the session, which depends on the rows
             with runner.session(), torch.inference_mode():
                 runner.prefill(ids)
-                # a drafter's trees never go below its smallest; plain steps (speculate="auto") verify the root alone
+                # a drafter's trees never go below its smallest; plain steps (speculate="auto") verify the root alone;
+                # the largest first, whose compiled graph the smaller may share (static.py)
                 sizes = range(getattr(self.drafter, "smallest_tree", 1), self.drafter.tree_size + 1)
-                for n in sorted({bucket_for(n, buckets) for n in sizes} | ({1} if self.switch else set())):
+                for n in sorted({bucket_for(n, buckets) for n in sizes} | ({1} if self.switch else set()), reverse=True):
                     tree = DraftTree.chain(ids[0, :1], ids[:, :1].repeat(1, n - 1))
                     seconds[n] = median_ms(lambda: runner.verify(tree.tokens, tree.depths, tree.ancestors), 1,
                                             self.device) / 1000
@@ -320,8 +321,7 @@ class SpeculativeGenerator:
                    lookup_tokens=lookup_tokens, lookup_nodes=lookup_nodes, draft_kv=draft_kv, sink=sink,
                    window=window, speculate=speculate, profile=profile, depth=depth, top_k=branching,
                    # the self-draft took its weights above; the others were refused there
-                   draft_weights=draft_weights if isinstance(draft, DraftHead) else "auto",
-                   total_tokens=total_tokens)
+                   draft_weights=draft_weights if isinstance(draft, DraftHead) else "auto", total_tokens=total_tokens)
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor | Mapping[str, torch.Tensor], max_new_tokens: int | None = None,

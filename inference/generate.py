@@ -66,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         tree=args.tree, depth=args.depth, branching=args.branching, total_tokens=args.total_tokens,
         hybrid=True if args.hybrid else None, gamma=args.gamma, lookup_tokens=args.lookup_tokens,
         # a one-prompt command: "auto" compiles on CUDA only (the library's tuned path compiles on a CPU too)
-        compile=args.compile if args.compile != "auto" else torch.cuda.is_available() and args.device != "cpu",
-    )
+        compile=args.compile if args.compile != "auto" else torch.cuda.is_available() and args.device != "cpu")
     tok = gen.tokenizer
     if tok is None:
         ap.error(f"no tokenizer found in {args.target}")

@@ -388,22 +388,16 @@ def assemble(args, device, dtype, inputs, methods: list[Method], mismatches: lis
     singles = [n for n in (f"speculative_{args.tree}", "engine_prompt_lookup") if n in summaries]
     best_single = max(singles, key=tps.get) if len(singles) == 2 else None
     result = {
-        "target": str(args.target),
-        "draft": str(args.draft),
+        "target": str(args.target), "draft": str(args.draft),
         "draft_model": str(args.draft_model) if args.draft_model else None,
-        "methods_requested": args.methods,
-        "draft_vocab_requested": args.draft_vocab,
+        "methods_requested": args.methods, "draft_vocab_requested": args.draft_vocab,
         "device": str(device) if device.type != "cpu" else f"cpu ({platform.processor() or platform.machine()}, "
                                                               f"{torch.get_num_threads()} threads)",
-        "cpu_flags": cpu_flags(),
-        "dtype": dtype_name(dtype),
-        "draft_weights": args.draft_weights,
+        "cpu_flags": cpu_flags(), "dtype": dtype_name(dtype), "draft_weights": args.draft_weights,
         "torch": torch.__version__,
         "tcmalloc": "tcmalloc" in os.environ.get("LD_PRELOAD", ""),
-        "prompts": len(inputs),
-        "prompts_planned": args.num_prompts,
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
+        "prompts": len(inputs), "prompts_planned": args.num_prompts,
+        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         **setup,
         "main_method": main_name,
         "speedup": summaries[main_name].get("speedup", 1.0),

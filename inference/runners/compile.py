@@ -7,6 +7,7 @@ import contextlib
 import types
 
 import torch
+from torch.fx.experimental import _config as fx_config
 
 from ..cpu.small_gemm import FuseSiblingLinears
 
@@ -83,13 +84,15 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
 @contextlib.contextmanager
 def scoped_settings(cpu: bool):
     """The compiler settings decoding steps compile and run under, restored afterwards: room for one graph per
-    verify bucket and buffer size; on CPU unfrozen weights (compile_step's `frozen` steps freeze theirs) and one GEMM
-    for linears that share an input (a frozen step's)."""
+    verify bucket and buffer size; on CPU unfrozen weights (compile_step's `frozen` steps freeze theirs), one GEMM
+    for linears that share an input (a frozen step's) and symbolic sizes not specialised at 1 (a one-token step
+    runs the shared verify graph as fast as its own: docs/results/shared_verify_graph_one_token_zen3.json)."""
     dynamo = torch._dynamo.config
     limits = dict(recompile_limit=max(dynamo.recompile_limit, 64),
                   accumulated_recompile_limit=max(dynamo.accumulated_recompile_limit, 256))
     inductor = {"freezing": False, "cpp.enable_concat_linear": True} if cpu else {}
-    with dynamo.patch(limits), torch._inductor.config.patch(inductor):
+    with dynamo.patch(limits), torch._inductor.config.patch(inductor), \
+            fx_config.patch({"backed_size_oblivious": True} if cpu else {}):
         yield
 
 

@@ -179,9 +179,9 @@ class StaticRunner:
 
     def _step(self, size: int) -> Callable:
         """The verify step of a `size`-token bucket: eager, or its compiled step for the current buffers (built on
-        first use). On a CPU, one row's buckets past the first whose linears run small_gemm.py's kernel share one
-        step, the tree's size symbolic in it: one compile instead of one per bucket, as fast
-        (docs/results/shared_verify_graph.json; a batch verifies one size)."""
+        first use). On a CPU, one row's buckets whose linears run small_gemm.py's kernel share one step, the tree's
+        size symbolic in it (1 too: scoped_settings): one compile instead of one per bucket, as fast
+        (docs/results/shared_verify_graph.json, shared_verify_graph_one_token_zen3.json; a batch verifies one size)."""
         if not self.compiled:
             return self._step_forward
         if size not in self._steps:
@@ -190,7 +190,7 @@ class StaticRunner:
             # about as fast but their graphs cannot be cached: docs/results/small_gemm_avx2_chunk_zen3.json)
             kernel = self.small_rows and self.rows * size <= BATCH_KERNEL_ROWS
             small = self.rows * size <= SMALL_GEMM_ROWS and not kernel
-            shared = self.rows == 1 and size > 1 and kernel
+            shared = self.rows == 1 and kernel
             key = "shared" if shared else size
             if key not in self._steps:  # shared: tokens, positions and mask have the tree's size in dims 1, 1, 2
                 # the buffers' guards are skipped (`unguarded`): new buffers come with new steps (reset)

@@ -40,7 +40,7 @@ CALIBRATION_TOKENS = 64
 # SmolLM2-135M, fp32, AVX2 CPU, QUICK budget), plus, compiled, TUNING_COMPILES step shapes (verify graphs, shared
 # by a row's buckets, and drafting steps) at COMPILE_S_PER_LAYER seconds a decoder layer each (~3x apart between CPUs)
 TUNING_FORWARDS = 300
-TUNING_COMPILES = 5
+TUNING_COMPILES = 4
 COMPILE_S_PER_LAYER = 2.0
 FORMAT = 3  # bumped when the cached file's meaning changes (1: other calibration prompts; 2: no tree meant no lookup)
 
