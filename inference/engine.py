@@ -217,7 +217,7 @@ class SpeculativeGenerator:
                 # a drafter's trees never go below its smallest; plain steps (speculate="auto") verify the root alone;
                 # the largest first, whose compiled graph the smaller may share (static.py)
                 sizes = range(getattr(self.drafter, "smallest_tree", 1), self.drafter.tree_size + 1)
-                for n in sorted({bucket_for(n, buckets) for n in sizes} | ({1} if self.switch else set()), reverse=True):
+                for n in sorted({bucket_for(n, buckets) for n in sizes} | ({1} if self.switch else set()))[::-1]:
                     tree = DraftTree.chain(ids[0, :1], ids[:, :1].repeat(1, n - 1))
                     seconds[n] = median_ms(lambda: runner.verify(tree.tokens, tree.depths, tree.ancestors), 1,
                                             self.device) / 1000

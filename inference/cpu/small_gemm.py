@@ -284,9 +284,9 @@ def _continues(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 class FuseSiblingLinears(CustomGraphPass):
     """Inductor post-grad pass: small_linear (small_linear_int8) calls that share an input and whose packed weights
     (and int8 columns) lie back to back in one buffer become ONE call over that span (a view: no copy), its output
-    sliced per original call; bit-identical, as the kernels sum every column alike. The weights are a frozen graph's
-    constants or an unfrozen graph's inputs (their fake values share a storage as the real ones do); a cached graph
-    relies on the layout use_small_row_kernel packs, which this file's digest (uuid) covers."""
+    sliced and copied per original call; bit-identical, as the kernels sum every column alike. The weights are a
+    frozen graph's constants or an unfrozen graph's inputs (their fake values share a storage as the real ones do);
+    a cached graph relies on the layout use_small_row_kernel packs, which this file's digest (uuid) covers."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         module = graph.owning_module
