@@ -348,18 +348,18 @@ class FuseSiblingLinears(CustomGraphPass):
                     attrs[-1].meta["val"] = operands[0][i].as_strided(*span)
             extra = calls[0].args[2 + len(operands[0]):]  # (small_linear's live entries, after the bias)
             out = graph.call_function(op, (x, *attrs, None, *extra))
+            if val is not None:
+                with val.fake_mode:
+                    out.meta["val"] = val.new_empty(*val.shape[:-1], blocks * block)
             parts, start = [], 0
             for w in operands:  # copies of the slices: viewing a slice, a symbolic rows' count would specialise at 1
                 end = start + w[0].shape[0] * block
-                part = graph.call_function(torch.ops.aten.slice.Tensor, (out, -1, start, end))
-                parts.append(graph.call_function(torch.ops.aten.clone.default, (part,)))
+                piece = graph.call_function(torch.ops.aten.slice.Tensor, (out, -1, start, end))
+                parts.append(graph.call_function(torch.ops.aten.clone.default, (piece,)))
+                if val is not None:  # (fake values compute in their own mode)
+                    piece.meta["val"] = out.meta["val"][..., start:end]
+                    parts[-1].meta["val"] = piece.meta["val"].clone()
                 start = end
-        if val is not None:
-            with val.fake_mode:
-                out.meta["val"] = val.new_empty(*val.shape[:-1], blocks * block)
-                for part in parts:  # clone(slice(out, -1, start, end))
-                    part.args[0].meta["val"] = torch.ops.aten.slice.Tensor(out.meta["val"], *part.args[0].args[1:])
-                    part.meta["val"] = part.args[0].meta["val"].clone()
         for node, part in zip(calls, parts):  # outside the insertion point: `earliest` is among the erased
             node.replace_all_uses_with(part)
             graph.erase_node(node)

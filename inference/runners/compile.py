@@ -65,18 +65,19 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
             options["cpp_wrapper"] = True
         if small_gemm:
             options.update(max_autotune=True, max_autotune_gemm_backends="CPP", autotune_fallback_to_aten=True)
-        compiled = torch.compile(fn, dynamic=None if dynamic else False, options=options)
-
-        def step(*args):  # freezing is read when a graph compiles, not from `options`: a frozen step sets it around
-            for i, dim in (dynamic or {}).items():  # its call (patch() costs 5x more); scoped_settings turns it off
-                torch._dynamo.mark_dynamic(args[i], dim)
-            if not frozen:
-                return compiled(*args)
-            previous, torch._inductor.config.freezing = torch._inductor.config.freezing, True
-            try:
-                return compiled(*args)
-            finally:
-                torch._inductor.config.freezing = previous
+        step = compiled = torch.compile(fn, dynamic=None if dynamic else False, options=options)
+        marks = tuple((dynamic or {}).items())
+        if marks or frozen:  # (a step with neither is the compiled function itself: no wrapper at each call)
+            def step(*args):  # freezing is read when a graph compiles, not from `options`: a frozen step sets it
+                for i, dim in marks:  # around its call (patch() costs 5x more); scoped_settings turns it off
+                    torch._dynamo.mark_dynamic(args[i], dim)
+                if not frozen:
+                    return compiled(*args)
+                previous, torch._inductor.config.freezing = torch._inductor.config.freezing, True
+                try:
+                    return compiled(*args)
+                finally:
+                    torch._inductor.config.freezing = previous
     step.drafthead_code = fn.__func__.__code__  # (release_steps)
     return step
 
