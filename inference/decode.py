@@ -37,9 +37,8 @@ class Request:
 
 def left_pad(prompts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """1-D prompts -> left-padded input_ids (B, T) and attention_mask (B, T), on the prompts' device."""
-    ids = pad_sequence([p.long() for p in prompts], batch_first=True, padding_side="left")
-    mask = pad_sequence([torch.ones_like(p, dtype=torch.long) for p in prompts], batch_first=True, padding_side="left")
-    return ids, mask
+    return (pad_sequence([p.long() for p in prompts], batch_first=True, padding_side="left"),
+            pad_sequence([torch.ones_like(p.long()) for p in prompts], batch_first=True, padding_side="left"))
 
 
 def prefilled_requests(runner, prompts: Sequence[torch.Tensor], group: int, stopper: Callable[[], Any],

@@ -63,15 +63,13 @@ class Drafter(Protocol):
     def begin(self, runner, input_ids: torch.Tensor, attention_mask: torch.Tensor,
               features: torch.Tensor | None) -> None: ...
 
-    def propose(self, roots: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator | None = None) -> DraftTree: ...
+    def propose(self, roots: torch.Tensor, params: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> DraftTree:
+        return DraftTree.chain(roots)
 
     def skip(self, roots: torch.Tensor) -> None: ...
-
     def accept(self, accepted: Accepted, features: torch.Tensor | None) -> None: ...
-
     def keep_rows(self, rows: torch.Tensor) -> None: ...
-
     def admit(self, row: int, runner, ids: torch.Tensor, features: torch.Tensor | None) -> None: ...
 
 
@@ -79,6 +77,3 @@ class PlainDrafter(Drafter):
     """Drafts nothing: every tree is the root alone (the engine's own plain decoding baseline)."""
 
     name = "none"
-
-    def propose(self, roots, params=None, generator=None) -> DraftTree:
-        return DraftTree.chain(roots)

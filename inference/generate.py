@@ -75,18 +75,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--chat: the tokenizer in {args.target} has no chat template (drop --chat to send the raw text)")
     chat = has_template if args.chat is None else args.chat
     ref = next(gen.target.parameters())
-    print(f"[drafthead] {ref.device}, {dtype_name(ref.dtype)}, {gen.drafter.name} drafter, "
-          f"{describe_tree(gen)}, prompt {'in the chat template' if chat else 'as raw text'}", file=sys.stderr,
-          flush=True)
+    print(f"[drafthead] {ref.device}, {dtype_name(ref.dtype)}, {gen.drafter.name} drafter, {describe_tree(gen)}, "
+          f"prompt {'in the chat template' if chat else 'as raw text'}", file=sys.stderr, flush=True)
     if chat:
         prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                          return_tensors="pt", return_dict=True)
     else:
         prompt = tok(args.prompt, return_tensors="pt")
     streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
-    out = gen.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                       top_k=args.top_k, seed=args.seed, streamer=streamer)
-    s = out.stats
+    s = gen.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                     top_k=args.top_k, seed=args.seed, streamer=streamer).stats
     print(f"\n[tau {s.mean_accepted:.2f} | {s.new_tokens} tokens in {s.total_time_s:.2f} s = {s.tokens_per_s:.1f} tok/s"
           f" | target forwards {s.target_forwards} | draft {s.draft_time_s:.2f} s, verify {s.verify_time_s:.2f} s]",
           file=sys.stderr)

@@ -53,9 +53,8 @@ def load_causal_lm(source: str | Path | nn.Module, dtype: torch.dtype | None = N
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_source(source, what)
-    where = dict(pretrained_model_name_or_path=source)
-    if source.endswith(".gguf"):
-        where = dict(pretrained_model_name_or_path=str(Path(source).parent), gguf_file=Path(source).name)
+    where = (dict(pretrained_model_name_or_path=str(Path(source).parent), gguf_file=Path(source).name)
+             if source.endswith(".gguf") else dict(pretrained_model_name_or_path=source))
     model = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype if dtype is not None else "auto")
     if "gguf_file" in where:
         from .cpu.gguf_weights import use_gguf_weights

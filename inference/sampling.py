@@ -61,16 +61,13 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if params.temperature != 1.0:
         scores = scores / params.temperature
     if params.top_k:
-        k = min(params.top_k, scores.size(-1))
-        kth = torch.topk(scores, k).values[..., -1:]
+        kth = torch.topk(scores, min(params.top_k, scores.size(-1))).values[..., -1:]
         scores = scores.masked_fill(scores < kth, -float("inf"))
     if params.top_p < 1.0:
         sorted_logits, sorted_idx = torch.sort(scores, descending=False)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        remove_sorted = cum <= (1 - params.top_p)
+        remove_sorted = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - params.top_p)
         remove_sorted[..., -1:] = False
-        remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
-        scores = scores.masked_fill(remove, -float("inf"))
+        scores = scores.masked_fill(remove_sorted.scatter(-1, sorted_idx, remove_sorted), -float("inf"))
     return scores
 
 
@@ -81,6 +78,5 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def pick_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
     """Each row's next token from logits (B, V), shape (B,): argmax, or a sample of the processed distribution."""
-    if not params.do_sample:
-        return logits.float().argmax(dim=-1)
-    return torch.multinomial(target_probs(logits, params), 1, generator=generator)[:, 0]
+    return (torch.multinomial(target_probs(logits, params), 1, generator=generator)[:, 0] if params.do_sample
+            else logits.float().argmax(dim=-1))

@@ -19,9 +19,7 @@ class Stopper:
         end = next((j + 1 for j, tok in enumerate(batch[:room]) if tok in self.eos), None)
         limit = end if end is not None else min(len(batch), room)
         hit = self._stop_string(done, batch[:limit]) if self.stop else None
-        if hit is None and (end is not None or len(batch) >= room):
-            return limit
-        return hit
+        return limit if hit is None and (end is not None or len(batch) >= room) else hit
 
     def _stop_string(self, done: list[int], batch: list[int]) -> int | None:
         decode = self.tokenizer.decode

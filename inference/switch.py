@@ -28,9 +28,8 @@ class SpeculationSwitch:
     def reset(self) -> None:
         self.seconds: dict[tuple[bool, int], deque] = {}  # (speculative, rows in use) -> recent step seconds
         self.gain: dict[int, float] = {}  # request -> tokens per speculative step (running mean)
-        self.steps = 0
+        self.steps, self.choice = 0, True
         self.last_switch = 0  # the step the other kind last ran
-        self.choice = True
 
     def cost(self, speculative: bool, rows: int) -> float | None:
         """Seconds a step of this kind takes with `rows` rows in use: the least of its last measurements there; for
@@ -52,8 +51,7 @@ class SpeculationSwitch:
             choice = False
         else:
             prior = sum(self.gain.values()) / len(self.gain)  # a request not measured yet: as the others
-            tokens = sum(self.gain.get(r, prior) for r in requests)
-            choice = tokens / spec >= rows / plain
+            choice = sum(self.gain.get(r, prior) for r in requests) / spec >= rows / plain
             if self.steps - self.last_switch >= self.recheck_every and choice == self.choice:
                 choice = not choice  # measure the other kind again
         if choice != self.choice:

@@ -25,8 +25,7 @@ class TreeOptions:
     @property
     def tree_size(self) -> int:
         """Nodes of every verification tree (root included): the budget, or all candidates if there are fewer."""
-        candidates = self.top_k + (self.depth - 1) * self.top_k**2
-        return 1 + min(self.total_tokens, candidates)
+        return 1 + min(self.total_tokens, self.top_k + (self.depth - 1) * self.top_k**2)
 
 
 TREE_PRESETS = {

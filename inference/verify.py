@@ -69,9 +69,7 @@ def children_lists(tree: DraftTree) -> list[list[int]]:
 def residual(r: torch.Tensor, token: int, q: torch.Tensor | None) -> torch.Tensor:
     """What is left of distribution r after rejecting `token` drawn from q (None: a point mass): max(0, r - q),
     not normalised."""
-    if q is None:
-        return r.index_fill(0, torch.tensor([token], device=r.device), 0.0)
-    return (r - q).clamp_min(0)
+    return r.index_fill(0, torch.tensor([token], device=r.device), 0.0) if q is None else (r - q).clamp_min(0)
 
 
 def verify_sampling(probs: torch.Tensor, tree: DraftTree,

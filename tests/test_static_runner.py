@@ -249,6 +249,68 @@ def test_a_rows_buckets_share_one_compiled_graph_on_a_cpu():
     assert min(sizes) == 1 and max(sizes) > 1 and counters["stats"]["unique_graphs"] == graphs + 1
 
 
+def test_a_stored_verify_step_is_loaded_not_traced_again(tmp_path):
+    """A runner with a step store (tree="auto"'s) keeps its compiled verify step in a file; a later runner of the
+    same model and buffers loads it instead of tracing the step again, and verifies through it losslessly. A
+    damaged file costs a warning and a compile, which stores the step again."""
+    from torch._dynamo.utils import counters
+
+    target = near_bigram_target("llama", num_layers=1, head_dim=32)  # (the kernels' path: an unfrozen step)
+    base = prompts(1, 320, seed=5)[0]
+    repeated = torch.cat([target.generate(base, do_sample=False, max_new_tokens=20), base], dim=1)  # lookups hit
+
+    def run() -> None:
+        runner = StaticRunner(target, [], compile=True, buckets=(1, 8))
+        runner.step_store = tmp_path
+        gen = SpeculativeGenerator(target, None, tree="none", hybrid=True, lookup_tokens=7, runner=runner)
+        gen.warmup(96)
+        for ids in (base, repeated):
+            out = gen.generate(ids, max_new_tokens=20)
+            assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_new_tokens=20))
+        assert max(out.stats.accept_lengths) > 1
+        runner.close()
+
+    run()
+    files = list(tmp_path.iterdir())
+    assert [f.name.split("-")[0] for f in files] == ["verify1xshared"]  # (its buffers' size and code digest after)
+    graphs = counters["stats"]["unique_graphs"]
+    run()
+    assert counters["stats"]["unique_graphs"] == graphs  # loaded: nothing traced
+    files[0].write_bytes(b"damaged")
+    with pytest.warns(UserWarning, match="unreadable"):
+        run()
+    assert counters["stats"]["unique_graphs"] > graphs
+    graphs = counters["stats"]["unique_graphs"]
+    run()
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_stored_drafting_steps_follow_their_buffers(tmp_path):
+    """The head drafter's stored steps: one file per KV buffer shape (a longer prompt grows the buffers), each
+    lossless; a later drafter loads them instead of tracing them again."""
+    from torch._dynamo.utils import counters
+
+    from inference.drafters.eagle import HeadDrafter
+
+    target = near_bigram_target("llama", num_layers=1, head_dim=32)
+    head = oracle_head(target).attach_target(target)
+    longer = torch.randint(3, 320, (1, 300), generator=torch.Generator().manual_seed(7))
+
+    def run() -> None:
+        drafter = HeadDrafter(head, TreeOptions(depth=2, top_k=2, total_tokens=4), compile=True, store=tmp_path)
+        gen = SpeculativeGenerator(target, drafter, runner=StaticRunner(target, head.config.aux_layer_ids))
+        for ids in (prompts(1, 320, seed=6)[0], longer):
+            out = gen.generate(ids, max_new_tokens=20)
+            assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_new_tokens=20))
+            assert out.stats.mean_accepted > 1.5
+
+    run()
+    assert len({f.name.split(".")[0] for f in tmp_path.glob("draft2_2_4-*.pt2")}) == 2
+    graphs = counters["stats"]["unique_graphs"]
+    run()
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 @pytest.mark.slow
 def test_compiled_drafting_step_is_lossless_without_recompiles():
     """The head drafter's steady step (feed the accepted pairs, expand every depth, select) as one compiled graph
@@ -262,10 +324,10 @@ def test_compiled_drafting_step_is_lossless_without_recompiles():
     head = oracle_head(target).attach_target(target)
     drafter = HeadDrafter(head, TreeOptions(depth=2, top_k=2, total_tokens=4), compile=True)
     calls = []
-    step = drafter._step
-    drafter._step = lambda roots: calls.append(1) or step(roots)
     gen = SpeculativeGenerator(target, drafter, runner=StaticRunner(target, head.config.aux_layer_ids))
     gen.warmup(192)
+    step = drafter._step  # (the step of the buffers warmup() sized)
+    drafter._step = lambda roots: calls.append(1) or step(roots)
     graphs = counters["stats"]["unique_graphs"]
     for ids in prompts(3, 320, seed=6) + [torch.randint(3, 320, (1, 77), generator=torch.Generator().manual_seed(7))]:
         calls.clear()

@@ -142,11 +142,10 @@ def choose_tree(args, model, head, tokenizer, inputs, runner,
                 vocab_heads: dict | None = None) -> tuple[TreeOptions | None, dict, Any]:
     """(tree of the main speculative method, its JSON, the head to draft it with): a preset, or `auto` (tuned here;
     None when plain decoding measured fastest); with `--draft-vocab auto`, the head of the fastest vocabulary."""
+    calib = inputs[: args.calibration_prompts]
     if args.prompts == "mt_bench":  # the last MT-bench prompts (in an 80-prompt run they are also measured)
         calib = [chat_ids(tokenizer, p, inputs[0].device)
                  for p in load_prompts("mt_bench", None)[-args.calibration_prompts:]]
-    else:
-        calib = inputs[: args.calibration_prompts]
     if args.tree != "auto":
         options = tree_options(args.tree)
         info = {"chosen": dataclasses.asdict(options)}
@@ -167,20 +166,19 @@ def choose_tree(args, model, head, tokenizer, inputs, runner,
     return options, info, head
 
 
-METHODS = {
-    "plain": "transformers generate (the baseline; always measured, first)",
-    "prompt_lookup": "transformers generate with prompt_lookup_num_tokens=--pld-tokens",
-    "engine_plain": "the engine's own plain decoding on the same runner (tree='none')",
-    "speculative": "the head's dynamic tree (--tree), named speculative_<tree>",
-    "full_vocab": "with --draft-vocab: the unpruned head on the same tree",
-    "compare": "the head with each --compare-tree preset",
-    "engine_prompt_lookup": "the engine with the prompt-lookup drafter (--pld-tokens)",
-    "hybrid": "the head's tree plus the prompt-lookup branch (--hybrid-tokens)",
-    "tree_alone": "where --tree auto added the lookup branch: the same tree without it",
-    "draft_model": "a smaller LM drafting chains of --gamma tokens (--draft-model)",
-    "api_default": "SpeculativeGenerator.from_pretrained(--target, --draft) with no other argument: the library's "
-                   "defaults as a user gets them (its own copy of the target; tree='auto' tuned once and cached)",
-}
+METHODS = {"plain": "transformers generate (the baseline; always measured, first)",
+           "prompt_lookup": "transformers generate with prompt_lookup_num_tokens=--pld-tokens",
+           "engine_plain": "the engine's own plain decoding on the same runner (tree='none')",
+           "speculative": "the head's dynamic tree (--tree), named speculative_<tree>",
+           "full_vocab": "with --draft-vocab: the unpruned head on the same tree",
+           "compare": "the head with each --compare-tree preset",
+           "engine_prompt_lookup": "the engine with the prompt-lookup drafter (--pld-tokens)",
+           "hybrid": "the head's tree plus the prompt-lookup branch (--hybrid-tokens)",
+           "tree_alone": "where --tree auto added the lookup branch: the same tree without it",
+           "draft_model": "a smaller LM drafting chains of --gamma tokens (--draft-model)",
+           "api_default": "SpeculativeGenerator.from_pretrained(--target, --draft) with no other argument: the "
+                          "library's defaults as a user gets them (its own copy of the target; tree='auto' tuned "
+                          "once and cached)"}
 DEFAULT_METHODS = "plain,prompt_lookup,engine_plain,speculative,tree_alone,full_vocab,compare"
 
 
@@ -205,9 +203,8 @@ def build_methods(args, model, head, tokenizer, eos, runner, options: TreeOption
             if drafter is not None:
                 draft = drafter(target, own)
             weights = args.draft_weights if isinstance(draft, DraftHead) else "auto"
-            gen = SpeculativeGenerator(target, draft, tokenizer, tree=tree or "none",
-                                       runner=runner if own else "auto", compile=False if not own else args.compile,
-                                       draft_weights=weights, **extra)
+            gen = SpeculativeGenerator(target, draft, tokenizer, tree=tree or "none", runner=runner if own else "auto",
+                                       compile=args.compile if own else False, draft_weights=weights, **extra)
             return spec_method(gen, args.max_new_tokens, args.temperature, eos, args.seed)
 
         return build
@@ -380,44 +377,34 @@ def assemble(args, device, dtype, inputs, methods: list[Method], mismatches: lis
                          "engine_plain" if "engine_plain" in summaries else "plain")
     tps = {name: s["tokens_per_s"] for name, s in summaries.items()}
     ratio = lambda a, b: tps[a] / tps[b] if a in tps and b in tps else None  # noqa: E731
-
     drafting = [m for m in methods if m.generator is not None and not m.generator.plain]  # every drafter's rows
     greedy_rows = [r for m in drafting for r in m.rows if "greedy_match" in r]
     near_ties = [x for x in mismatches if x["is_near_tie"]]
     replayed = [x for x in mismatches if x.get("float32_replay_match")]
     singles = [n for n in (f"speculative_{args.tree}", "engine_prompt_lookup") if n in summaries]
     best_single = max(singles, key=tps.get) if len(singles) == 2 else None
-    result = {
-        "target": str(args.target), "draft": str(args.draft),
-        "draft_model": str(args.draft_model) if args.draft_model else None,
-        "methods_requested": args.methods, "draft_vocab_requested": args.draft_vocab,
-        "device": str(device) if device.type != "cpu" else f"cpu ({platform.processor() or platform.machine()}, "
-                                                              f"{torch.get_num_threads()} threads)",
-        "cpu_flags": cpu_flags(), "dtype": dtype_name(dtype), "draft_weights": args.draft_weights,
-        "torch": torch.__version__,
-        "tcmalloc": "tcmalloc" in os.environ.get("LD_PRELOAD", ""),
-        "prompts": len(inputs), "prompts_planned": args.num_prompts,
-        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-        **setup,
-        "main_method": main_name,
-        "speedup": summaries[main_name].get("speedup", 1.0),
-        "speedup_vs_engine_plain": ratio(main_name, "engine_plain"),
-        "engine_plain_speedup": ratio("engine_plain", "plain"),
-        "speedup_vs_prompt_lookup": ratio(main_name, "prompt_lookup"),
-        "hybrid_vs_best_single": ratio("hybrid", best_single) if best_single else None,
-        "best_single_drafter": best_single,
-        "tau": summaries[main_name].get("tau"),
-        "tokens_per_s": tps,
-        "greedy_match": (sum(r["greedy_match"] for r in greedy_rows) / len(greedy_rows)) if greedy_rows else None,
-        "greedy_divergences": {"near_tie": len(near_ties), "float32_replay_match": len(replayed),
-                               "real_mismatch": len(mismatches) - len(near_ties) - len(replayed),
-                               "details": mismatches},
-        "methods": summaries,
-        "per_prompt": {m.name: list(m.rows) for m in methods},
-    }
-    result.update({f"tau_{name.removeprefix('speculative_')}_tree": s.get("tau") for name, s in summaries.items()
-                   if name.startswith("speculative_") and name != f"speculative_{args.tree}"})
-    return result
+    return {"target": str(args.target), "draft": str(args.draft),
+            "draft_model": str(args.draft_model) if args.draft_model else None,
+            "methods_requested": args.methods, "draft_vocab_requested": args.draft_vocab,
+            "device": str(device) if device.type != "cpu" else f"cpu ({platform.processor() or platform.machine()}, "
+                                                                  f"{torch.get_num_threads()} threads)",
+            "cpu_flags": cpu_flags(), "dtype": dtype_name(dtype), "draft_weights": args.draft_weights,
+            "torch": torch.__version__, "tcmalloc": "tcmalloc" in os.environ.get("LD_PRELOAD", ""),
+            "prompts": len(inputs), "prompts_planned": args.num_prompts,
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, **setup,
+            "main_method": main_name, "speedup": summaries[main_name].get("speedup", 1.0),
+            "speedup_vs_engine_plain": ratio(main_name, "engine_plain"),
+            "engine_plain_speedup": ratio("engine_plain", "plain"),
+            "speedup_vs_prompt_lookup": ratio(main_name, "prompt_lookup"),
+            "hybrid_vs_best_single": ratio("hybrid", best_single) if best_single else None,
+            "best_single_drafter": best_single, "tau": summaries[main_name].get("tau"), "tokens_per_s": tps,
+            "greedy_match": (sum(r["greedy_match"] for r in greedy_rows) / len(greedy_rows)) if greedy_rows else None,
+            "greedy_divergences": {"near_tie": len(near_ties), "float32_replay_match": len(replayed),
+                                   "real_mismatch": len(mismatches) - len(near_ties) - len(replayed),
+                                   "details": mismatches},
+            "methods": summaries, "per_prompt": {m.name: list(m.rows) for m in methods},
+            **{f"tau_{name.removeprefix('speculative_')}_tree": s.get("tau") for name, s in summaries.items()
+               if name.startswith("speculative_") and name != f"speculative_{args.tree}"}}
 
 
 def plot(result: dict, path: Path) -> None:

@@ -81,9 +81,8 @@ def make_drafters(args, model, head, tokenizer=None) -> dict:
     if "self_vocab" in args.batch_methods:
         if not isinstance(args.draft_vocab, int):
             raise SystemExit("--batch-methods self_vocab needs --draft-vocab N (a number of tokens)")
-        vocab = frequent_tokens(tokenizer, model.get_output_embeddings().weight.shape[0], args.draft_vocab,
-                                args.vocab_corpus)
-        drafters["self_vocab"] = StreamingSelfDrafter(model, **streaming, vocab=vocab)
+        drafters["self_vocab"] = StreamingSelfDrafter(model, **streaming, vocab=frequent_tokens(
+            tokenizer, model.get_output_embeddings().weight.shape[0], args.draft_vocab, args.vocab_corpus))
     bases = {name.removesuffix(AUTO).removesuffix(LOOKUP) for name in args.batch_methods}
     if "self_int8" in bases:
         drafters["self_int8"] = StreamingSelfDrafter(model, **streaming, weights="int8")
@@ -113,7 +112,6 @@ def run_group(runner: StaticRunner, drafters: dict, rows: list[Request], max_new
     ids = torch.stack([row.ids for row in rows])
     b = ids.shape[0]
     mask = torch.ones_like(ids)
-    params = SamplingParams()
     length = max(len(row.ids) for row in [*rows, *waiting]) + max_new + max(d.tree_size for d in drafters.values())
     features = torch.stack([row.features for row in rows]) if rows[0].features is not None else None
     prefilled = (torch.stack([row.logits for row in rows]), features)
@@ -129,7 +127,7 @@ def run_group(runner: StaticRunner, drafters: dict, rows: list[Request], max_new
         queue = (dataclasses.replace(row, stopper=stop()) for row in waiting)
         t0 = time.perf_counter()
         with runner.session(), torch.inference_mode():
-            new = decode_rows(runner, drafter, ids, mask, params, stoppers, None, stats,
+            new = decode_rows(runner, drafter, ids, mask, SamplingParams(), stoppers, None, stats,
                               prefilled=prefilled, waiting=queue if waiting else None,
                               switch=SpeculationSwitch() if name.endswith(AUTO) else None)
         return new, stats, time.perf_counter() - t0
@@ -285,9 +283,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--window", type=int, default=512, help="recent positions of a streaming draft KV")
     g.add_argument("--lookup-tokens", type=int, default=4,
                    help="the +lookup methods: tokens of each row's prompt-lookup chain")
-    g.add_argument("--lookup-nodes", type=int, default=1,
-                   help="the +lookup methods: at most this many of the chain's tokens added to each row's tree, "
-                        "which grows by this many")
+    g.add_argument("--lookup-nodes", type=int, default=1, help="the +lookup methods: at most this many of the chain's "
+                   "tokens added to each row's tree, which grows by this many")
     g.add_argument("--task", default="continue", choices=["continue", "summarise"])
     g.add_argument("--repeats", type=int, default=1,
                    help="decode each batch this many times, the methods in turn; report each method's median run")

@@ -12,10 +12,8 @@ from ..jsonl import iter_jsonl
 from ..tuning.draft_vocab import default_corpus
 
 SPEAKERS = {"human": "User", "user": "User", "system": "System"}  # every other role speaks as the assistant
-INSTRUCTIONS = {
-    "continue": "Continue the text above from exactly where it stops, in the same style.",
-    "summarise": "Summarise the text above in a few short paragraphs.",
-}
+INSTRUCTIONS = {"continue": "Continue the text above from exactly where it stops, in the same style.",
+                "summarise": "Summarise the text above in a few short paragraphs."}
 PIECE_FRACTION = 4  # conversations of at least min_chars / PIECE_FRACTION are joined into documents
 
 
@@ -52,7 +50,6 @@ def long_documents(path: Path | None = None, min_chars: int = 20000, limit: int 
         if sum(len(t) + 2 for t in run) >= min_chars:
             joined.append("\n\n".join(run))
             run = []
-    # sorted() is stable with reverse=True: equal lengths keep file order
     return (sorted(singles, key=len, reverse=True) + sorted(joined, key=len, reverse=True))[:limit]
 
 

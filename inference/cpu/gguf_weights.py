@@ -45,9 +45,8 @@ def _q4(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.nda
     byte [p, c]'s low nibble, 2p + 1 in its high one; d and m (N/16, K/32, 2, 16)) in small_linear_q's 4-bit layout."""
     n = q.shape[0]
     q = _column_blocks(q)  # (N/16, K, 16)
-    nibbles = q[:, 0::2] | (q[:, 1::2] << 4)
     dm = np.stack([d, m], axis=1).reshape(n // FLOAT_BLOCK, FLOAT_BLOCK, 2, -1).transpose(0, 3, 2, 1)
-    return np.ascontiguousarray(nibbles), np.ascontiguousarray(dm)
+    return np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << 4)), np.ascontiguousarray(dm)
 
 
 # Each format below dequantizes (as gguf's numpy code does) to products that are exact in float32: a half scale (11
@@ -151,9 +150,7 @@ def use_gguf_weights(model: nn.Module, path: str | Path) -> int:
             continue
         blocks = np.frombuffer(raw, dtype=np.uint8).reshape(shape[1], -1)  # (N, K / block · bytes per block)
         values = gguf.quants.dequantize(blocks, qtype)  # (N, K) float32, as transformers loaded it
-        where: dict[bytes, int] = {}
-        for i, row in enumerate(values):
-            where.setdefault(row.tobytes(), i)
+        where = {row.tobytes(): i for i, row in reversed(list(enumerate(values)))}  # reversed: the first index wins
         for module in list(candidates):
             if module.weight[0].numpy().tobytes() not in where:  # another tensor of this shape (most are)
                 continue

@@ -41,10 +41,7 @@ def build_lock(folder: Path, timeout: float):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"another process has been building in {folder} for over {timeout:.0f} s")
                 time.sleep(0.2)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        yield  # closing the file releases the lock
 
 
 def _cflags(flags: list[str]) -> list[str]:
@@ -75,8 +72,7 @@ def _build(name: str, paths: list[Path], flags: list[str], what: str, timeout: f
     folder = build_folder(name, paths, flags)
     built = folder / "built"  # written after a finished build: the folder's digest names its sources and flags
     try:
-        if timeout is None:
-            timeout = float(os.environ.get("DRAFTHEAD_KERNEL_BUILD_TIMEOUT", 600))
+        timeout = float(os.environ.get("DRAFTHEAD_KERNEL_BUILD_TIMEOUT", 600)) if timeout is None else timeout
         with build_lock(folder, timeout):
             if built.exists():  # not through torch's ninja, which rebuilds when another ninja (a venv's) ran last
                 try:
@@ -98,14 +94,6 @@ def _build(name: str, paths: list[Path], flags: list[str], what: str, timeout: f
               file=sys.stderr)
         return False
     return True
-
-
-@functools.cache
-def source_digest() -> str:
-    """A short digest of every kernel source and header (in the tuning's cache key: a changed kernel is tuned again)."""
-    digest = hashlib.sha256()
-    _add_files(digest, sorted(HERE.glob("*.cpp")) + sorted(HERE.glob("*.h")))
-    return digest.hexdigest()[:12]
 
 
 def _load(name: str, paths: list[Path], flags: list[str], what: str, namespace: str, block: int) -> bool:

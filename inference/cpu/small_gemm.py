@@ -63,11 +63,9 @@ def _module_global(name: str, value):
         globals()[name] = previous
 
 
-@contextlib.contextmanager
-def small_row_kernel(max_rows: int = KERNEL_ROWS):
+def small_row_kernel(max_rows: int = KERNEL_ROWS) -> contextlib.AbstractContextManager:
     """Inside this context SmallRowLinear modules multiply inputs of up to `max_rows` rows with the kernel."""
-    with _module_global("_row_limit", max_rows):
-        yield
+    return _module_global("_row_limit", max_rows)
 
 
 @contextlib.contextmanager
@@ -172,9 +170,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, columns: torch.Tensor,
     row_scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127
     xq = (xf / row_scale).round().clamp(-127, 127)
     y = (xq @ weight.float().T) * row_scale * columns[0]
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
+    return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
 def _sibling_groups(model: nn.Module, linears: list[nn.Linear]) -> list[list[nn.Linear]]:

@@ -71,9 +71,7 @@ class DraftModelDrafter(Drafter):
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
         self.model = model.eval()
-        self.gamma = gamma
-        self.tree_size = gamma + 1
-        self.vocab = target_vocab
+        self.gamma, self.tree_size, self.vocab = gamma, gamma + 1, target_vocab
         self.runner = make_runner(self.model, [], runner, compile)
         self.session = self.runner.session  # its attention kernel, entered once per generation by the engine
         self.device = next(model.parameters()).device

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -66,11 +68,11 @@ class HeadDrafter(Drafter):
     origin_names = ("head",)
 
     def __init__(self, head: DraftHead, options: TreeOptions, sink: int = 0, window: int | None = None,
-                 compile: bool = False, weights: str = "auto"):
+                 compile: bool = False, weights: str = "auto", store: Path | None = None):
         self.head = head.eval()
         self.dtype = next(head.parameters()).dtype
         self.device = next(head.parameters()).device
-        kernel = use_small_row_kernel(head, float32=True) > 0
+        self.kernel = use_small_row_kernel(head, float32=True) > 0
         self.attention = decoding_attention(self.device, self.dtype)
         # "auto": a float32 head drafts from int8 copies, a quarter of the bytes a depth, accepted as often
         # (docs/results/gguf_q4_1_draft_weights_int8_spr_amx.json)
@@ -85,11 +87,11 @@ class HeadDrafter(Drafter):
         self.slot_pos: torch.Tensor | None = None  # (B, capacity) position held by each slot, -1 if none
         self.next_pos: torch.Tensor | None = None  # (B,) pairs fed so far (the root's position)
         self.pending: dict[str, torch.Tensor] = {}  # true pairs waiting for the next root
-        # a steady drafting step: one compiled graph per tree shape and batch size (a prompt's feed runs eagerly)
-        self.compiled = compile
-        self._step = (compile_step(self._draft, self.device, cpp_wrapper=self.device.type == "cpu", frozen=not kernel,
-                                   name=f"draft{options.depth}_{options.top_k}_{options.total_tokens}")
-                      if compile else self._draft)
+        # a steady drafting step: compiled, one per tree shape and buffer shape (a prompt's feed runs eagerly);
+        # `store` (tree="auto"): the folder keeping them for later processes
+        self.compiled, self.store = compile, store
+        self._steps: dict[tuple[int, ...], Callable] = {}  # KV buffer shape -> its compiled step
+        self._step = self._draft  # the current buffers' step (begin())
 
     @property
     def kv_shape(self) -> tuple[int, ...]:
@@ -120,6 +122,8 @@ class HeadDrafter(Drafter):
                                       torch.zeros(shape, dtype=self.dtype, device=device))
             self.slot_pos = torch.empty((b, self.capacity), dtype=torch.long, device=device)
             self._fix_addresses()
+            if self.compiled:
+                self._step = self._steps.get(shape) or self._steps.setdefault(shape, self._compile_step(shape))
         self.slot_pos.fill_(-1)
         self.next_pos = torch.zeros(b, dtype=torch.long, device=device)
         lengths = runner.positions  # (B,) prompt tokens of each row
@@ -129,6 +133,14 @@ class HeadDrafter(Drafter):
         tokens = input_ids.to(device).gather(1, (columns + 1).clamp(max=t - 1))
         self.pending = dict(features=feats, tokens=tokens, positions=positions, valid=valid,
                             is_root=valid & (positions == lengths[:, None] - 1))
+
+    def _compile_step(self, shape: tuple[int, ...]) -> Callable:
+        """The steady step compiled for KV buffers of `shape`, kept in the store under their shape and layout."""
+        name = f"draft{self.opt.depth}_{self.opt.top_k}_{self.opt.total_tokens}"
+        window = f"-sink{self.layout.sink}-window{self.layout.window}" if self.layout.window else ""
+        file = f"{name}-{'x'.join(map(str, shape))}{window}.pt2"
+        return compile_step(self._draft, self.device, cpp_wrapper=self.device.type == "cpu", frozen=not self.kernel,
+                            name=name, store=self.store and self.store / file)
 
     @torch.inference_mode()
     def propose(self, roots: torch.Tensor, params=None, generator=None) -> DraftTree:

@@ -58,8 +58,7 @@ class StreamingSelfDrafter(Drafter):
                                    cpp_wrapper=device.type == "cpu") if compile else self._draft_step)
         self.batches: set[int] = set()  # the draft batch sizes whose step has run (compiled: one graph each)
         self.layout = SlotMap(sink, window)
-        self.gamma = gamma
-        self.tree_size = gamma + 1
+        self.gamma, self.tree_size = gamma, gamma + 1
         self.scratch = self.layout.size(0)  # first draft slot, after the sinks and the ring
         self.capacity = self.scratch + gamma + 1
         self.dummy = self.capacity - 1  # the slot padded copies write to

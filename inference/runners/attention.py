@@ -51,8 +51,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     q = (query * scaling).reshape(b, kv_heads, groups * n, d)
     scores = torch.matmul(q, key.transpose(2, 3)).view(b, heads, n, used)
     scores = scores.add_(mask) if add_in_place else scores + mask
-    probs = scores.softmax(dim=-1)
-    out = torch.matmul(probs.view(b, kv_heads, groups * n, used), value)  # (B, kv_heads, groups·n, D)
+    out = torch.matmul(scores.softmax(dim=-1).view(b, kv_heads, groups * n, used), value)  # (B, kv_heads, groups·n, D)
     return out.view(b, heads, n, d).transpose(1, 2).contiguous()
 
 

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import types
+import warnings
+from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.fx.experimental import _config as fx_config
+
+from drafthead.utils import atomic_write_bytes
 
 from ..cpu.small_gemm import FuseSiblingLinears
 
@@ -33,7 +38,8 @@ def compile_setting(compile: bool | str, device: torch.device, tuned: bool = Fal
 
 
 def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str = "", cpp_wrapper: bool = False,
-                 unguarded: tuple[str, ...] = (), dynamic: dict[int, int] | None = None, frozen: bool = True):
+                 unguarded: tuple[str, ...] = (), dynamic: dict[int, int] | None = None, frozen: bool = True,
+                 store: Path | None = None):
     """torch.compile for a fixed-shape decoding step: CUDA graphs on CUDA; on CPU inductor, the small-row kernels'
     calls that share an input fused into one. Run the step inside scoped_settings (a runner's session).
     `small_gemm` (CPU, a few rows not on small_gemm.py's kernel): inductor's own C++ GEMMs, faster than oneDNN there.
@@ -43,7 +49,9 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
     never swaps while the step lives, or whose step it releases (release_steps) when it does.
     `dynamic` (CPU): {argument index: dimension} kept symbolic (marked at every call): one graph for all sizes.
     `frozen` (CPU): weights as constants, prepacked for oneDNN; useless where all linears run small_gemm.py's
-    kernels, and unfrozen a graph is cached whole (docs/results/compile_cache_unfrozen_zen3.json)."""
+    kernels, and unfrozen a graph is cached whole (docs/results/compile_cache_unfrozen_zen3.json).
+    `store` (CPU, unfrozen): the file, named by what the step reads besides its arguments, that keeps the step
+    compiled whole for later processes (stored())."""
 
     # the model is frozen and each runner compiles its own code (own_code): skip its parameters' guards
     def guard_filter(entries):
@@ -66,6 +74,8 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
         if small_gemm:
             options.update(max_autotune=True, max_autotune_gemm_backends="CPP", autotune_fallback_to_aten=True)
         step = compiled = torch.compile(fn, dynamic=None if dynamic else False, options=options)
+        if store is not None and not frozen:
+            step = compiled = stored(fn, compiled, store, dynamic=None if dynamic else False, options=options)
         marks = tuple((dynamic or {}).items())
         if marks or frozen:  # (a step with neither is the compiled function itself: no wrapper at each call)
             def step(*args):  # freezing is read when a graph compiles, not from `options`: a frozen step sets it
@@ -79,6 +89,54 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
                 finally:
                     torch._inductor.config.freezing = previous
     step.drafthead_code = fn.__func__.__code__  # (release_steps)
+    return step
+
+
+def stored(fn, compiled, store: Path, **compile_options) -> Callable:
+    """`compiled` (torch.compile of the method `fn`), compiled whole instead and kept in the file `store`, which a
+    later process loads rather than tracing the step again (seconds against dynamo's tens:
+    docs/results/stored_steps_zen4.json). Only guards on the step's arguments are kept, checked once per argument
+    layout: what it reads from `self`, and the code it is traced from, must be in the file's path. Where the step
+    cannot be compiled whole or saved, or its guards fail, `compiled` runs it; a file that cannot be loaded is
+    compiled and saved again."""
+    owner, names = fn.__self__, fn.__code__.co_varnames[1: fn.__code__.co_argcount]
+    # (portable guards only, on the arguments' tensors, shapes and global state: then none refers to `self`)
+    keep = lambda entries: [portable and (e.guard_type != "TENSOR_MATCH" or e.name.split("[")[0] in names)  # noqa: E731
+                            for e, portable in zip(entries, torch.compiler.keep_portable_guards_unsafe(entries))]
+    state: dict = {"checked": set()}
+
+    def whole(args) -> object | None:
+        if store.exists():
+            try:
+                with open(store, "rb") as f:
+                    return torch.compiler.load_compiled_function(f, f_globals=fn.__globals__,
+                                                                 external_data={"self": owner})
+            except Exception as error:  # noqa: BLE001 (a damaged or foreign file: compiled again below)
+                warnings.warn(f"drafthead: stored step {store.name} unreadable, compiled again ({error!r:.200})",
+                              stacklevel=4)
+        try:
+            aot = torch.compile(fn, fullgraph=True, **{**compile_options, "options": {
+                **compile_options["options"], "guard_filter_fn": keep}}).aot_compile((args, {}))
+            atomic_write_bytes(store, lambda tmp: aot.save_compiled_function(tmp, external_data={"self": owner}))
+            return aot
+        except Exception as error:  # noqa: BLE001 (any failure leaves the ordinary compiled step)
+            warnings.warn(f"drafthead: compiled step {store.name} not stored ({error!r:.200})", stacklevel=4)
+            return None
+
+    def step(*args):
+        if "aot" not in state:
+            state["aot"] = whole(args)
+            if state["aot"] is not None:
+                state["aot"].disable_guard_check()  # checked here, once per argument layout
+        aot = state["aot"]
+        if aot is not None:
+            layout = tuple((a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+            # (views: a guard built by aot_compile fails on tensors that carry mark_dynamic()'s marks)
+            if layout in state["checked"] or aot.guard_check(owner, *(a.view_as(a) if isinstance(a, torch.Tensor)
+                                                                      else a for a in args)):
+                state["checked"].add(layout)
+                return aot(owner, *args)
+        return compiled(*args)
     return step
 
 

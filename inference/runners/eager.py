@@ -43,8 +43,7 @@ class EagerRunner:
         if batch != 1:
             raise NotImplementedError(f"{type(self.model).__name__} runs on the eager runner, which decodes one "
                                       f"row at a time; got {batch} rows")
-        self.cache = DynamicCache()
-        self.capacity = length
+        self.cache, self.capacity = DynamicCache(), length
 
     def session(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

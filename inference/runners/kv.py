@@ -33,8 +33,7 @@ class SlotMap:
         """Slot of each position (any shape, long)."""
         if self.window is None:
             return positions
-        ring = self.sink + (positions - self.sink).remainder(self.window)
-        return torch.where(positions < self.sink, positions, ring)
+        return torch.where(positions < self.sink, positions, self.sink + (positions - self.sink).remainder(self.window))
 
     def needed(self, start: torch.Tensor, stop: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The positions in [start_i, stop_i) of each row that the buffer keeps: all of them (full), or only the
@@ -65,8 +64,7 @@ def keep_leading_rows(kv: torch.Tensor, rows: list[int], used: list[slice] | Non
         kv[:, :, dst] = kv[:, :, torch.tensor([rows[j] for j in moved], device=kv.device)]
 
 
-MIN_CAPACITY = 256
-CAPACITY_STEP = 128
+MIN_CAPACITY, CAPACITY_STEP = 256, 128
 
 
 def static_cache_supported(model: nn.Module) -> str | None:
@@ -75,9 +73,7 @@ def static_cache_supported(model: nn.Module) -> str | None:
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         return f"sliding-window attention (window {config.sliding_window})"
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if kinds != {"full_attention"}:
-        return f"layer types {sorted(kinds)}"
-    return None
+    return f"layer types {sorted(kinds)}" if kinds != {"full_attention"} else None
 
 
 def buffer_capacity(need: int) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -78,6 +79,7 @@ class StaticRunner:
         self.rows = 0  # rows of the buffers (the batch the runner was reset for)
         self.capacity = self.scratch = 0  # scratch: the last slot, which no row reads (padded copies land there)
         self.min_capacity = 0  # tree="auto": the slots the tuning compiled its steps for (tuning/auto.py)
+        self.step_store: Path | None = None  # tree="auto": the folder keeping compiled steps for later processes
         self.slot_ids = torch.zeros(0, dtype=torch.long, device=self.device)  # arange(capacity)
         self.start = self.length = torch.zeros(0, dtype=torch.long, device=self.device)
         self.lengths: list[int] = []  # self.length on the host
@@ -194,9 +196,11 @@ class StaticRunner:
             key = "shared" if shared else size
             if key not in self._steps:  # shared: tokens, positions and mask have the tree's size in dims 1, 1, 2
                 # the buffers' guards are skipped (`unguarded`): new buffers come with new steps (reset)
+                name = f"verify{self.rows}x{key}"
+                store = self.step_store and self.step_store / f"{name}-{self.capacity}{'-q' * self.quantized}.pt2"
                 self._steps[key] = compile_step(self._step_forward, self.device, small_gemm=small, frozen=not kernel,
-                                                dynamic={0: 1, 1: 1, 2: 2} if shared else None,
-                                                name=f"verify{self.rows}x{key}", unguarded=("self.cache",))
+                                                dynamic={0: 1, 1: 1, 2: 2} if shared else None, name=name,
+                                                unguarded=("self.cache",), store=store)
             self._steps[size] = self._steps[key]
         return self._steps[size]
 

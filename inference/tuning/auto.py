@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import platform
@@ -16,13 +17,14 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import transformers
 
+import drafthead
 from drafthead import DraftHead
 from drafthead.hardware import cpu_flags
 from drafthead.paths import cache_dir
 from drafthead.utils import atomic_write_json, dtype_name
 
-from ..cpu.kernels import source_digest
 from ..tree import TreeOptions
 from .budget import FULL, QUICK, TuningBudget, auto_tree, median_ms
 
@@ -80,16 +82,27 @@ def fingerprint(module: nn.Module, config: Any) -> str:
     return digest.hexdigest()[:16]
 
 
+@functools.cache
+def code_digest() -> str:
+    """A digest of the code decoding runs: this package's Python and C++ kernels, drafthead's Python, transformers'
+    version. A tuning, and the compiled steps it stores (runner.step_store), belong to one version of it."""
+    digest = hashlib.sha256(transformers.__version__.encode())
+    for folder in (Path(__file__).parents[1], Path(drafthead.__file__).parent):
+        for path in sorted(p for p in folder.rglob("*") if p.suffix in (".py", ".cpp", ".h")):
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def cache_key(model: nn.Module, head: DraftHead, runner: Any, compiled: bool, lookup_tokens: int,
               budget: TuningBudget, draft_weights: str = "auto") -> dict:
     """The identity of a tuning: (target, head, machine, dtype) and the settings that change the costs (the
-    runner, compile, the CPU kernels' sources, torch, the head's drafting weights)."""
+    runner, compile, the code, torch, the head's drafting weights)."""
     ref = next(model.parameters())
     target_config = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}
     return {"format": FORMAT, "target": fingerprint(model, target_config),
             "head": fingerprint(head, dataclasses.asdict(head.config)), "machine": machine(ref.device),
             "dtype": dtype_name(ref.dtype), "runner": type(runner).__name__, "compile": compiled,
-            "lookup_tokens": lookup_tokens, "torch": torch.__version__, "kernels": source_digest(),
+            "lookup_tokens": lookup_tokens, "torch": torch.__version__, "code": code_digest(),
             "budget": repr(budget), "draft_weights": draft_weights}
 
 
@@ -139,6 +152,8 @@ def tuned_tree(model: nn.Module, head: DraftHead, tokenizer: Any, runner: Any, c
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = cache_dir() / "tuning" / f"tree-{digest}.json"
     cached = read_cached(path, key)
+    if hasattr(runner, "step_store"):  # its compiled steps, and those of the trial trees' generators, kept there too
+        runner.step_store = path.with_suffix("")
     if cached is None:
         inputs = calibration_inputs(tokenizer, device)
         estimate = estimate_s(model, inputs, compiled)

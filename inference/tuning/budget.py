@@ -53,8 +53,7 @@ class TuningBudget:
 
 
 FULL = TuningBudget()
-# every CPU tuning chose a tree a 16-token verify bucket holds (docs/results/cpu_tuned_tree_sizes.json): buckets up
-# to 16 tokens are timed, and no larger one is compiled
+# every CPU tuning chose a tree a 16-token bucket holds (docs/results/cpu_tuned_tree_sizes.json): none larger is timed
 QUICK = TuningBudget(calibration=TreeOptions(depth=6, top_k=8, total_tokens=32), depths=(2, 3, 4, 5, 6),
                      top_ks=(1, 2, 4, 8), max_verify=16, verify_reps=5, draft_reps=3, trial_trees=2, rounds=1)
 # a tree with a larger verify bucket must beat the best smaller one by this factor in the trial: short calibration
@@ -160,8 +159,7 @@ def measure_draft_ms(runner, head: DraftHead, prefix: torch.Tensor, trees: list[
     """Median ms of one drafting step for each tree shape: feeding the last verification's two true pairs and
     drafting the next tree. Each timed draft follows a target step, as in decoding, whose weights stream through
     the CPU caches between two drafts (timed back to back, a draft measured half its cost inside decoding)."""
-    device = prefix.device
-    t = prefix.shape[1]
+    device, t = prefix.device, prefix.shape[1]
     runner.reset(1, t + 2)
     with runner.session():  # the target's attention kernel, also for the target steps between the drafts
         _, features = runner.prefill(prefix)
@@ -196,9 +194,8 @@ def decode_trial(generator: Callable[..., Any], model: nn.Module, runner, varian
     generation's ms per step."""
     gens = {key: generator(model, draft, runner=runner, compile=getattr(runner, "compiled", False), **kw)
             for key, (draft, kw) in variants.items()}
-    longest = max(ids.shape[1] for ids in inputs) + max_new_tokens
     for gen in gens.values():
-        gen.warmup(longest)
+        gen.warmup(max(ids.shape[1] for ids in inputs) + max_new_tokens)
         gen.generate(inputs[0], max_new_tokens=min(max_new_tokens, 16))  # its drafting step compiles in a few
     stats = {key: [] for key in gens}
     for _ in range(rounds):
@@ -257,20 +254,10 @@ def prefer_smaller(measured: list[tuple], verify_size: Callable[[int], int]) -> 
     return best
 
 
-def auto_tree(
-    model: nn.Module,
-    head: DraftHead,
-    calibration_inputs: list[torch.Tensor],
-    max_new_tokens: int = 96,
-    verbose: bool = True,
-    lookup_tokens: int = 0,
-    vocab_heads: dict[int, DraftHead] | None = None,
-    budget: TuningBudget = FULL,
-    *,
-    runner: Any,
-    generator: Callable[..., Any],
-    draft_weights: str = "auto",
-) -> tuple[TreeOptions | None, dict]:
+def auto_tree(model: nn.Module, head: DraftHead, calibration_inputs: list[torch.Tensor], max_new_tokens: int = 96,
+              verbose: bool = True, lookup_tokens: int = 0, vocab_heads: dict[int, DraftHead] | None = None,
+              budget: TuningBudget = FULL, *, runner: Any, generator: Callable[..., Any],
+              draft_weights: str = "auto") -> tuple[TreeOptions | None, dict]:
     """Choose the tree budget that maximises tokens/s on this device, dtype and `runner` (the one the generator will
     use). Returns (options, report); options is None when plain decoding on the same runner measured at least as
     fast as every tree in the trial.
@@ -316,7 +303,6 @@ def auto_tree(
     largest = min(max(verify_ms), budget.calibration.total_tokens)
     table = sorted((predict(depth, top_k, total) for depth in budget.depths for top_k in budget.top_ks
                     for total in TOTALS if depth <= total <= largest and (top_k != 1 or total == depth)), reverse=True)
-    # 4. the trial: the best predicted tree of each of the budget's trial_trees best verify sizes, and plain decoding
     best_by_size: dict[int, tuple] = {}
     for row in table:
         best_by_size.setdefault(verify_size(row[5]), row)
@@ -332,9 +318,8 @@ def auto_tree(
     choice = f"depth={depth} top_k={top_k} total_tokens={total}" if options else "none (plain decoding)"  # verbose line
     draft_vocab = None
     if options is not None and vocab_heads and len(vocab_heads) > 1:
-        head, draft_vocab = choose_draft_vocab(model, vocab_heads, runner, options, calibration_inputs,
-                                               max_new_tokens, rounds=budget.rounds, verbose=verbose,
-                                               generator=generator)
+        head, draft_vocab = choose_draft_vocab(model, vocab_heads, runner, options, calibration_inputs, max_new_tokens,
+                                               rounds=budget.rounds, verbose=verbose, generator=generator)
     lookup_branch = None
     if lookup_tokens > 0:
         # the branch's nodes come on top of the tree's: the largest bucket timed bounds the two together, and a
@@ -355,7 +340,6 @@ def auto_tree(
             rates = {n: rate["tokens_per_s"] for n, rate in decode_trial(
                 generator, model, runner, variants, calibration_inputs, max_new_tokens, budget.rounds).items()}
             best = max(counts, key=rates.__getitem__)
-            # beside a tree it stays unless measurably slower; alone, it must beat plain decoding
             chosen = rates[best] >= LOOKUP_BRANCH_MARGIN * rates[0] if options is not None else rates[best] > rates[0]
             lookup_branch = {"tokens": best, "chosen": chosen,
                              "tokens_per_s": {"tree_alone": rates[0], "with_lookup": rates[best]},
@@ -364,21 +348,17 @@ def auto_tree(
                        f"{rates[0]:.1f} tok/s {'alone' if options else 'plain'})")
     gpu = TREE_PRESETS["gpu"]  # its prediction is reported where the runner verifies a tree that large
     gpu_fits = gpu.total_tokens <= max(verify_ms) and (gpu.depth, gpu.top_k) in draft_ms
-    report = {
-        "runner": type(runner).__name__,
-        "chosen": {"depth": depth, "top_k": top_k, "total_tokens": total} if options else "none",
-        "predicted": {"tau": tau, "step_ms": step_ms, "tokens_per_s": tps},  # step_ms measured in the trial
-        "predicted_plain": {"step_ms": plain_ms, "tokens_per_s": 1000 / plain_ms},
-        "trial": [dict(zip(ROW, row)) for row in sorted(measured, reverse=True)],
-        "predicted_gpu_tree": dict(zip(ROW[:3], predict(gpu.depth, gpu.top_k, gpu.total_tokens))) if gpu_fits else None,
-        "draft_vocab": draft_vocab,  # None: not tried (no tree chosen, or no vocab_heads)
-        "lookup_branch": lookup_branch,  # None: not tried (lookup_tokens 0)
-        "verify_ms": {str(k): v for k, v in verify_ms.items()},
-        "draft_ms": {f"{d},{k}": v for (d, k), v in draft_ms.items()},
-        "overhead_ms": overhead,
-        "calibration_steps": len(recorder.records),
-        "top_candidates": [dict(zip(ROW, row)) for row in table[:5]],
-    }
+    report = {"runner": type(runner).__name__,
+              "chosen": {"depth": depth, "top_k": top_k, "total_tokens": total} if options else "none",
+              "predicted": {"tau": tau, "step_ms": step_ms, "tokens_per_s": tps},  # step_ms measured in the trial
+              "predicted_plain": {"step_ms": plain_ms, "tokens_per_s": 1000 / plain_ms},
+              "trial": [dict(zip(ROW, row)) for row in sorted(measured, reverse=True)],
+              "predicted_gpu_tree": dict(zip(ROW[:3], predict(*astuple(gpu)))) if gpu_fits else None,
+              "draft_vocab": draft_vocab,  # None: not tried (no tree chosen, or no vocab_heads)
+              "lookup_branch": lookup_branch,  # None: not tried (lookup_tokens 0)
+              "verify_ms": {str(k): v for k, v in verify_ms.items()},
+              "draft_ms": {f"{d},{k}": v for (d, k), v in draft_ms.items()}, "overhead_ms": overhead,
+              "calibration_steps": len(recorder.records), "top_candidates": [dict(zip(ROW, row)) for row in table[:5]]}
     if verbose:
         print(f"tree auto: {choice} (best tree: replayed tau {tau:.2f}, measured {step_ms:.1f} ms/step, "
               f"{tps:.1f} tok/s; plain step {plain_ms:.1f} ms = {1000 / plain_ms:.1f} tok/s)", flush=True)

@@ -69,9 +69,7 @@ def vocab_candidates(head: Any, counts: torch.Tensor, sizes: tuple[int, ...] = A
     """{draft vocabulary size: the head pruned to it} for each of `sizes` below the head's own, plus the head
     itself under its own size (what `--draft-vocab auto` has the tuner try)."""
     full = head.config.draft_vocab_size
-    heads = {size: head.pruned(counts, size) for size in sizes if size < full}
-    heads[full] = head
-    return heads
+    return {size: head.pruned(counts, size) for size in sizes if size < full} | {full: head}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -88,8 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     from drafthead import load_head
     from drafthead.export import export_head
 
-    target = AutoModelForCausalLM.from_pretrained(args.target)
-    head = load_head(args.draft, target=target)
+    head = load_head(args.draft, target=AutoModelForCausalLM.from_pretrained(args.target))
     counts = assistant_token_counts(AutoTokenizer.from_pretrained(args.target), args.corpus or default_corpus(),
                                     head.config.vocab_size, args.conversations)
     export_head(head.pruned(counts, args.keep), args.out)
