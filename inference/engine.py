@@ -113,7 +113,7 @@ class SpeculativeGenerator:
             self.options = tree_options(tree, **tree_overrides)
             streaming = dict(sink=sink, window=window) if draft_kv == "streaming" else {}
             self.drafter = HeadDrafter(self.head, self.options, compile=self.compile, weights=draft_weights,
-                                       store=getattr(self._runner, "step_store", None), **streaming)
+                                       **streaming)
         elif draft is None:
             raise ValueError("a drafter is needed unless tree='none' (plain decoding)")
         elif isinstance(draft, Drafter):

@@ -297,8 +297,10 @@ def test_stored_drafting_steps_follow_their_buffers(tmp_path):
     longer = torch.randint(3, 320, (1, 300), generator=torch.Generator().manual_seed(7))
 
     def run() -> None:
-        drafter = HeadDrafter(head, TreeOptions(depth=2, top_k=2, total_tokens=4), compile=True, store=tmp_path)
-        gen = SpeculativeGenerator(target, drafter, runner=StaticRunner(target, head.config.aux_layer_ids))
+        drafter = HeadDrafter(head, TreeOptions(depth=2, top_k=2, total_tokens=4), compile=True)
+        runner = StaticRunner(target, head.config.aux_layer_ids)
+        runner.step_store = tmp_path  # (the drafter keeps its steps in its runner's store)
+        gen = SpeculativeGenerator(target, drafter, runner=runner)
         for ids in (prompts(1, 320, seed=6)[0], longer):
             out = gen.generate(ids, max_new_tokens=20)
             assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_new_tokens=20))

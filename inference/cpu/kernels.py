@@ -55,11 +55,11 @@ def build_folder(name: str, paths: list[Path], flags: list[str]) -> Path:
     from torch.utils.cpp_extension import _get_build_directory
 
     digest = hashlib.sha256(repr((_cflags(flags), torch.__version__, str(paths[0].parent.resolve()))).encode())
-    _add_files(digest, sorted(paths) + sorted(paths[0].parent.glob("*.h")))
+    digest_files(digest, sorted(paths) + sorted(paths[0].parent.glob("*.h")))
     return Path(_get_build_directory(f"{name}-{digest.hexdigest()[:12]}", verbose=False))
 
 
-def _add_files(digest, paths: list[Path]) -> None:
+def digest_files(digest, paths: list[Path]) -> None:  # each file's name and bytes
     for path in paths:
         digest.update(path.name.encode() + path.read_bytes())
 

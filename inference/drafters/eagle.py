@@ -68,7 +68,7 @@ class HeadDrafter(Drafter):
     origin_names = ("head",)
 
     def __init__(self, head: DraftHead, options: TreeOptions, sink: int = 0, window: int | None = None,
-                 compile: bool = False, weights: str = "auto", store: Path | None = None):
+                 compile: bool = False, weights: str = "auto"):
         self.head = head.eval()
         self.dtype = next(head.parameters()).dtype
         self.device = next(head.parameters()).device
@@ -87,9 +87,8 @@ class HeadDrafter(Drafter):
         self.slot_pos: torch.Tensor | None = None  # (B, capacity) position held by each slot, -1 if none
         self.next_pos: torch.Tensor | None = None  # (B,) pairs fed so far (the root's position)
         self.pending: dict[str, torch.Tensor] = {}  # true pairs waiting for the next root
-        # a steady drafting step: compiled, one per tree shape and buffer shape (a prompt's feed runs eagerly);
-        # `store` (tree="auto"): the folder keeping them for later processes
-        self.compiled, self.store = compile, store
+        # a steady drafting step: compiled, one per tree shape and buffer shape (a prompt's feed runs eagerly)
+        self.compiled = compile
         self._steps: dict[tuple[int, ...], Callable] = {}  # KV buffer shape -> its compiled step
         self._step = self._draft  # the current buffers' step (begin())
 
@@ -122,8 +121,9 @@ class HeadDrafter(Drafter):
                                       torch.zeros(shape, dtype=self.dtype, device=device))
             self.slot_pos = torch.empty((b, self.capacity), dtype=torch.long, device=device)
             self._fix_addresses()
-            if self.compiled:
-                self._step = self._steps.get(shape) or self._steps.setdefault(shape, self._compile_step(shape))
+            if self.compiled and shape not in self._steps:
+                self._steps[shape] = self._compile_step(shape, getattr(runner, "step_store", None))
+            self._step = self._steps.get(shape, self._draft)
         self.slot_pos.fill_(-1)
         self.next_pos = torch.zeros(b, dtype=torch.long, device=device)
         lengths = runner.positions  # (B,) prompt tokens of each row
@@ -134,13 +134,13 @@ class HeadDrafter(Drafter):
         self.pending = dict(features=feats, tokens=tokens, positions=positions, valid=valid,
                             is_root=valid & (positions == lengths[:, None] - 1))
 
-    def _compile_step(self, shape: tuple[int, ...]) -> Callable:
-        """The steady step compiled for KV buffers of `shape`, kept in the store under their shape and layout."""
+    def _compile_step(self, shape: tuple[int, ...], store: Path | None) -> Callable:
+        """The steady step compiled for KV buffers of `shape`, kept under their shape and layout in `store`."""
         name = f"draft{self.opt.depth}_{self.opt.top_k}_{self.opt.total_tokens}"
         window = f"-sink{self.layout.sink}-window{self.layout.window}" if self.layout.window else ""
         file = f"{name}-{'x'.join(map(str, shape))}{window}.pt2"
         return compile_step(self._draft, self.device, cpp_wrapper=self.device.type == "cpu", frozen=not self.kernel,
-                            name=name, store=self.store and self.store / file)
+                            name=name, store=store and store / file)
 
     @torch.inference_mode()
     def propose(self, roots: torch.Tensor, params=None, generator=None) -> DraftTree:

@@ -74,13 +74,12 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
         if small_gemm:
             options.update(max_autotune=True, max_autotune_gemm_backends="CPP", autotune_fallback_to_aten=True)
         step = compiled = torch.compile(fn, dynamic=None if dynamic else False, options=options)
-        if store is not None and not frozen:
-            step = compiled = stored(fn, compiled, store, dynamic=None if dynamic else False, options=options)
         marks = tuple((dynamic or {}).items())
-        if marks or frozen:  # (a step with neither is the compiled function itself: no wrapper at each call)
+        if store is not None and not frozen:
+            step = stored(fn, compiled, store, marks, options)
+        elif marks or frozen:  # (a step with neither is the compiled function itself: no wrapper at each call)
             def step(*args):  # freezing is read when a graph compiles, not from `options`: a frozen step sets it
-                for i, dim in marks:  # around its call (patch() costs 5x more); scoped_settings turns it off
-                    torch._dynamo.mark_dynamic(args[i], dim)
+                marked(args, marks)  # around its call (patch() costs 5x more); scoped_settings turns it off
                 if not frozen:
                     return compiled(*args)
                 previous, torch._inductor.config.freezing = torch._inductor.config.freezing, True
@@ -92,18 +91,22 @@ def compile_step(fn, device: torch.device, small_gemm: bool = False, name: str =
     return step
 
 
-def stored(fn, compiled, store: Path, **compile_options) -> Callable:
-    """`compiled` (torch.compile of the method `fn`), compiled whole instead and kept in the file `store`, which a
-    later process loads rather than tracing the step again (seconds against dynamo's tens:
-    docs/results/stored_steps_zen4.json). Only guards on the step's arguments are kept, checked once per argument
-    layout: what it reads from `self`, and the code it is traced from, must be in the file's path. Where the step
-    cannot be compiled whole or saved, or its guards fail, `compiled` runs it; a file that cannot be loaded is
-    compiled and saved again."""
+def marked(args, marks: tuple[tuple[int, int], ...]):  # args, compile_step's dynamic (index, dimension) marked
+    for i, dim in marks:
+        torch._dynamo.mark_dynamic(args[i], dim)
+    return args
+
+
+def stored(fn, compiled, store: Path, marks: tuple[tuple[int, int], ...], options: dict) -> Callable:
+    """`compiled` (torch.compile of method `fn`) compiled whole and kept in the file `store`, which later processes
+    load instead of tracing it (docs/results/stored_steps_zen4.json): guards on its arguments only, checked once per
+    layout (what it reads from `self`, and its code, are in the path); `marks` set only for tracing (its guards reject
+    marked tensors). A bad file is compiled again; a step not compilable whole, or failing its guards, runs compiled."""
     owner, names = fn.__self__, fn.__code__.co_varnames[1: fn.__code__.co_argcount]
     # (portable guards only, on the arguments' tensors, shapes and global state: then none refers to `self`)
     keep = lambda entries: [portable and (e.guard_type != "TENSOR_MATCH" or e.name.split("[")[0] in names)  # noqa: E731
                             for e, portable in zip(entries, torch.compiler.keep_portable_guards_unsafe(entries))]
-    state: dict = {"checked": set()}
+    aot, checked = None, set()  # aot: None before the first call, False where `compiled` runs the step
 
     def whole(args) -> object | None:
         if store.exists():
@@ -114,29 +117,28 @@ def stored(fn, compiled, store: Path, **compile_options) -> Callable:
             except Exception as error:  # noqa: BLE001 (a damaged or foreign file: compiled again below)
                 warnings.warn(f"drafthead: stored step {store.name} unreadable, compiled again ({error!r:.200})",
                               stacklevel=4)
-        try:
-            aot = torch.compile(fn, fullgraph=True, **{**compile_options, "options": {
-                **compile_options["options"], "guard_filter_fn": keep}}).aot_compile((args, {}))
-            atomic_write_bytes(store, lambda tmp: aot.save_compiled_function(tmp, external_data={"self": owner}))
-            return aot
+        try:  # traced from views of the arguments, so that only the views carry the marks
+            example = marked([a.view_as(a) if isinstance(a, torch.Tensor) else a for a in args], marks)
+            result = torch.compile(fn, fullgraph=True, dynamic=None if marks else False,
+                                   options={**options, "guard_filter_fn": keep}).aot_compile((tuple(example), {}))
+            atomic_write_bytes(store, lambda tmp: result.save_compiled_function(tmp, external_data={"self": owner}))
+            return result
         except Exception as error:  # noqa: BLE001 (any failure leaves the ordinary compiled step)
             warnings.warn(f"drafthead: compiled step {store.name} not stored ({error!r:.200})", stacklevel=4)
             return None
 
     def step(*args):
-        if "aot" not in state:
-            state["aot"] = whole(args)
-            if state["aot"] is not None:
-                state["aot"].disable_guard_check()  # checked here, once per argument layout
-        aot = state["aot"]
-        if aot is not None:
+        nonlocal aot
+        if aot is None:
+            aot = whole(args) or False
+            if aot:
+                aot.disable_guard_check()  # checked here, once per argument layout
+        if aot:
             layout = tuple((a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
-            # (views: a guard built by aot_compile fails on tensors that carry mark_dynamic()'s marks)
-            if layout in state["checked"] or aot.guard_check(owner, *(a.view_as(a) if isinstance(a, torch.Tensor)
-                                                                      else a for a in args)):
-                state["checked"].add(layout)
+            if layout in checked or aot.guard_check(owner, *args):
+                checked.add(layout)
                 return aot(owner, *args)
-        return compiled(*args)
+        return compiled(*marked(args, marks))
     return step
 
 

@@ -25,6 +25,7 @@ from drafthead.hardware import cpu_flags
 from drafthead.paths import cache_dir
 from drafthead.utils import atomic_write_json, dtype_name
 
+from ..cpu.kernels import digest_files
 from ..tree import TreeOptions
 from .budget import FULL, QUICK, TuningBudget, auto_tree, median_ms
 
@@ -88,8 +89,7 @@ def code_digest() -> str:
     version. A tuning, and the compiled steps it stores (runner.step_store), belong to one version of it."""
     digest = hashlib.sha256(transformers.__version__.encode())
     for folder in (Path(__file__).parents[1], Path(drafthead.__file__).parent):
-        for path in sorted(p for p in folder.rglob("*") if p.suffix in (".py", ".cpp", ".h")):
-            digest.update(path.read_bytes())
+        digest_files(digest, sorted(p for p in folder.rglob("*") if p.suffix in (".py", ".cpp", ".h")))
     return digest.hexdigest()[:16]
 
 
