@@ -50,7 +50,7 @@ from .switch import SpeculationSwitch
 from .tree import DraftTree, TreeOptions, tree_options
 
 # a one-row generation of at least this many tokens that decodes below SLOW_MARGIN x the tuning's plain rate warns
-# (the generator's first generation is not judged: it compiles its steps)
+# (one that used a new step shape is not judged: it compiled or loaded the step)
 SLOW_CHECK_TOKENS = 32
 SLOW_MARGIN = 0.95
 
@@ -100,7 +100,6 @@ class SpeculativeGenerator:
         self.options: TreeOptions | None = None
         self.tuned = None  # tree="auto": the tuning's choice and measured rates (tuning/auto.py)
         self._warned_slow = False
-        self._judged_generations = 0  # one-row generations _warn_if_slow has seen
         if draft_kv not in ("full", "streaming"):
             raise ValueError(f"draft_kv must be 'full' or 'streaming', got {draft_kv!r}")
         if tree == "auto" and isinstance(draft, DraftHead):
@@ -398,6 +397,7 @@ class SpeculativeGenerator:
         runner = self.runner
         longest = max([ids.shape[1]] + [len(p) for p in queue])
         runner.reset(ids.shape[0], longest + max_new_tokens + self.drafter.tree_size)
+        shapes = len(getattr(runner, "shapes", ()))
         sync = synchronizer(self.device) if self.profile else (lambda: None)
         with runner.session(), self.drafter.session():
             new = decode(runner, self.drafter, ids, mask, params, [stopper() for _ in range(ids.shape[0])],
@@ -405,18 +405,16 @@ class SpeculativeGenerator:
         stats.rows_new_tokens = [len(row) for row in new]
         stats.new_tokens = sum(stats.rows_new_tokens)
         stats.total_time_s = time.perf_counter() - t_start
-        if ids.shape[0] == 1 and not queue:
+        if ids.shape[0] == 1 and not queue and len(getattr(runner, "shapes", ())) == shapes:
             self._warn_if_slow(stats)
         return new, stats
 
     def _warn_if_slow(self, stats: GenerationStats) -> None:
-        """Warn (once) when a one-row generation decoded slower than the plain decoding the tuning measured here;
-        short generations are too noisy to tell, and the first one pays for compiling the decoding steps."""
+        """Warn once when a one-row generation (not too short to tell) decoded slower than the tuning's plain rate."""
         if self.tuned is None or self.plain or self._warned_slow or stats.new_tokens < SLOW_CHECK_TOKENS:
             return
-        self._judged_generations += 1
         rate = stats.new_tokens / max(stats.total_time_s - stats.prefill_time_s, 1e-9)
-        if self._judged_generations > 1 and rate < SLOW_MARGIN * self.tuned.plain_tokens_per_s:
+        if rate < SLOW_MARGIN * self.tuned.plain_tokens_per_s:
             self._warned_slow = True
             warnings.warn(f"speculative decoding ran at {rate:.1f} tokens/s, below the "
                           f"{self.tuned.plain_tokens_per_s:.1f} tokens/s that plain decoding measured on this machine "

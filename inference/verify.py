@@ -3,7 +3,8 @@ rejection sampling). Both give an Accepted (drafter.py), the bonus token drawn f
 node, moved to the host once.
 
 Greedy is vectorised over rows: a node is correct when its token is the target's argmax after its parent, and each
-row keeps its deepest node whose whole path is correct (the first in index order on ties).
+row keeps its deepest node whose whole path is correct (the first in index order on ties), read up to the root on the
+host after the step's one transfer (a few list steps cost less than the tensor ops that would gather it).
 
 Sampling. At a node with target distribution p, try its children c1, c2, ... in order. Child c_j was drawn from a
 proposal q_j: the drafter's distribution (tree.q, e.g. a draft model's sampled chain), or a point mass on c_j for
@@ -28,27 +29,24 @@ from .tree import DraftTree
 def verify_greedy(tree: DraftTree, greedy: torch.Tensor) -> Accepted:
     """greedy (B, n): the target's argmax at every node."""
     b, n = tree.tokens.shape
-    device = greedy.device
     if n == 1:  # the root alone (plain decoding): kept, and the target's token follows; a few ops, not twenty
         emitted = greedy[:, :1]
-        return Accepted(torch.zeros_like(emitted), emitted, torch.ones(b, dtype=torch.long, device=device),
+        return Accepted(torch.zeros_like(emitted), emitted, torch.ones(b, dtype=torch.long, device=greedy.device),
                         [[0] for _ in range(b)], emitted.tolist())  # the step's one transfer to the host
     correct = tree.tokens == greedy.gather(1, tree.parents.clamp_min(0))
     correct[:, 0] = True
     path_ok = ~(tree.ancestors & ~correct[:, None, :]).any(dim=2)  # (B, n) every node on the path is correct
     best = torch.where(path_ok, tree.depths, -1).argmax(dim=1)  # (B,)
-    rows = torch.arange(b, device=device)
-    on_path = tree.ancestors[rows, best]  # (B, n)
-    counts = on_path.sum(dim=1)
-    column = torch.arange(n, device=device)
-    paths = torch.where(on_path, column, n).sort(dim=1).values  # the path's nodes first, in index (= depth) order
-    paths = torch.where(column < counts[:, None], paths, -1)
-    following = tree.tokens.gather(1, torch.cat([paths[:, 1:], paths[:, :1]], dim=1).clamp_min(0))
-    emitted = torch.where(column < counts[:, None] - 1, following, greedy[rows, best][:, None])
-    emitted = torch.where(paths >= 0, emitted, -1)
-    host = torch.cat([counts[:, None], paths, emitted], dim=1).tolist()  # the step's one transfer to the host
-    return Accepted(paths, emitted, counts,
-                    [row[1: 1 + row[0]] for row in host], [row[1 + n: 1 + n + row[0]] for row in host])
+    host = torch.cat([best[:, None], tree.parents, tree.tokens, greedy], dim=1).tolist()
+    paths, tokens = [], []
+    for row in host:
+        path, parents = [row[0]], row[1: 1 + n]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        path.reverse()
+        paths.append(path)
+        tokens.append([row[1 + n + i] for i in path[1:]] + [row[1 + 2 * n + path[-1]]])
+    return Accepted.from_host(paths, tokens, n, greedy.device)
 
 
 def verify_sampling_rows(probs: torch.Tensor, tree: DraftTree, generator: torch.Generator | None) -> Accepted:

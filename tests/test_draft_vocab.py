@@ -76,7 +76,7 @@ def test_decoding_with_a_pruned_head_is_lossless():
 
 def test_assistant_token_counts_reads_both_conversation_formats(tmp_path):
     """ShareGPT `conversations` and OpenAI `messages` lines count only the assistant's words; a file without any
-    assistant turn is an error that names it."""
+    assistant turn, or no file, is an error that names it."""
     tok = tiny_tokenizer()
     path = tmp_path / "c.jsonl"
     path.write_text(json.dumps({"conversations": [{"from": "human", "value": "hello world"},
@@ -92,6 +92,8 @@ def test_assistant_token_counts_reads_both_conversation_formats(tmp_path):
     (tmp_path / "none.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(SystemExit, match="none.jsonl: no assistant turns"):
         assistant_token_counts(tok, tmp_path / "none.jsonl", 320)
+    with pytest.raises(FileNotFoundError, match="absent.jsonl: no corpus .*fetch_assets"):  # not a bare traceback
+        assistant_token_counts(tok, tmp_path / "absent.jsonl", 320)
 
 
 def test_parse_draft_vocab_and_candidates():

@@ -184,10 +184,10 @@ class StaticRunner:
         first use). On a CPU, one row's buckets whose linears run small_gemm.py's kernel share one step, the tree's
         size symbolic in it (1 too: scoped_settings): one compile instead of one per bucket, as fast
         (docs/results/shared_verify_graph.json, shared_verify_graph_one_token_zen3.json; a batch verifies one size)."""
+        self.shapes.add((self.rows, self.capacity, size))
         if not self.compiled:
             return self._step_forward
         if size not in self._steps:
-            self.shapes.add((self.rows, self.capacity, size))
             # the linears run small_gemm.py's kernel (a CPU's only; also at one row, where inductor's C++ GEMMs are
             # about as fast but their graphs cannot be cached: docs/results/small_gemm_avx2_chunk_zen3.json)
             kernel = self.small_rows and self.rows * size <= BATCH_KERNEL_ROWS

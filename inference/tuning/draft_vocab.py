@@ -35,6 +35,8 @@ def default_corpus() -> Path:
 def assistant_token_counts(tokenizer: Any, path: str | Path, vocab_size: int, limit: int = 2000) -> torch.Tensor:
     """Token counts (vocab_size,) over the assistant turns of the first `limit` conversations of a JSONL file
     (ShareGPT `conversations: [{from, value}]` or OpenAI `messages: [{role, content}]`)."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: no corpus to count draft tokens in (ShareGPT: scripts/fetch_assets.py)")
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for _, row in iter_jsonl(path, limit):
         turns = row.get("conversations") or row.get("messages") or []
