@@ -397,7 +397,7 @@ class SpeculativeGenerator:
         runner = self.runner
         longest = max([ids.shape[1]] + [len(p) for p in queue])
         runner.reset(ids.shape[0], longest + max_new_tokens + self.drafter.tree_size)
-        shapes = len(getattr(runner, "shapes", ()))
+        steps_used = len(getattr(runner, "shapes", ()))  # a generation that adds a step shape is not judged below
         sync = synchronizer(self.device) if self.profile else (lambda: None)
         with runner.session(), self.drafter.session():
             new = decode(runner, self.drafter, ids, mask, params, [stopper() for _ in range(ids.shape[0])],
@@ -405,7 +405,7 @@ class SpeculativeGenerator:
         stats.rows_new_tokens = [len(row) for row in new]
         stats.new_tokens = sum(stats.rows_new_tokens)
         stats.total_time_s = time.perf_counter() - t_start
-        if ids.shape[0] == 1 and not queue and len(getattr(runner, "shapes", ())) == shapes:
+        if ids.shape[0] == 1 and not queue and len(getattr(runner, "shapes", ())) == steps_used:
             self._warn_if_slow(stats)
         return new, stats
 

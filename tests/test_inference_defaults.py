@@ -195,7 +195,8 @@ def test_slower_than_plain_decoding_warns_once_when_no_step_shape_was_new(folder
     target, head = folders
     gen = SpeculativeGenerator.from_pretrained(target, head, tree="2,2,3")
     gen.tuned = auto.TunedTree(gen.options, 0, plain_tokens_per_s=1e9, tokens_per_s=2e9)  # plain "measured" faster
-    short, long = prompts(1, 200, seed=2)[0], torch.randint(3, 200, (1, 400), generator=torch.Generator().manual_seed(3))
+    short = prompts(1, 200, seed=2)[0]
+    long = torch.randint(3, 200, (1, 400), generator=torch.Generator().manual_seed(3))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         # new step shapes (compiled or loaded in a compiled generator): not judged; the long prompt needs new buffers
