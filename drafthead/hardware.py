@@ -17,14 +17,14 @@ def cpu_has_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags()))
 
 
-def auto_dtype(device: str | torch.device, gguf: bool = False) -> torch.dtype:
-    """bf16 on GPUs that support it and on CPUs with native bf16, float32 otherwise; float32 on a CPU for a `gguf`
-    target, whose own blocks are multiplied in float32 (inference/cpu/gguf_weights.py)."""
+def auto_dtype(device: str | torch.device) -> torch.dtype:
+    """bf16 on GPUs that support it and on CPUs with native bf16 (a GGUF target's blocks too: inference/cpu/
+    gguf_weights.py), float32 otherwise."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if device.type == "cpu":
-        return torch.bfloat16 if cpu_has_bf16() and not gguf else torch.float32
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
     return torch.float32
 
 
@@ -42,11 +42,11 @@ def resolve_device(name: str | torch.device | None, local_rank: int = 0) -> torc
     return device
 
 
-def resolve_dtype(name: str | torch.dtype | None, device: str | torch.device, gguf: bool = False) -> torch.dtype:
-    """'fast' (or None, or 'auto', the benchmark's old name for it) -> auto_dtype(device, gguf); otherwise a dtype
-    name such as 'bfloat16' or 'float32'."""
+def resolve_dtype(name: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
+    """'fast' (or None, or 'auto', the benchmark's old name for it) -> auto_dtype(device); otherwise a dtype name
+    such as 'bfloat16' or 'float32'."""
     if name is None or name in ("fast", "auto"):
-        return auto_dtype(device, gguf)
+        return auto_dtype(device)
     return parse_dtype(name)
 
 

@@ -39,7 +39,7 @@ from .drafters.draft_model import DraftModelDrafter, load_draft_model
 from .drafters.eagle import HeadDrafter
 from .drafters.lookup import LookupBranch, prompt_lookup
 from .drafters.self_draft import StreamingSelfDrafter
-from .loading import is_gguf, load_causal_lm, resolve_source
+from .loading import load_causal_lm, resolve_source
 from .runners import StaticRunner, make_runner
 from .runners.compile import compile_setting
 from .runners.static import bucket_for
@@ -235,7 +235,7 @@ class SpeculativeGenerator:
                         speculate: str | SpeculationSwitch = "always", draft_weights: str = "auto",
                         profile: bool = False, top_k: int | None = None) -> "SpeculativeGenerator":
         """target: HF folder/name, a GGUF file (its Q8_0 / Q6_K / Q5_0 / Q4_0 / Q4_1 / Q4_K blocks kept for the decoding
-        steps in float32 on an AVX2 CPU: cpu/gguf_weights.py) or a loaded causal LM. device: "auto" (CUDA when present,
+        steps on a CPU, in float32 or bf16: cpu/gguf_weights.py) or a loaded causal LM. device: "auto" (CUDA when present,
         else CPU; a loaded model stays where it is) or a device. dtype: a name or torch dtype; "fast" (bf16 on CUDA and
         on CPUs with native bf16, else fp32); "auto" (the checkpoint's, as in transformers); None (the default): "fast"
         for a checkpoint, a loaded model keeps its own.
@@ -273,14 +273,14 @@ class SpeculativeGenerator:
         if device == "auto":
             device = None if loaded else ("cuda" if torch.cuda.is_available() else "cpu")
         if dtype == "fast" or (dtype is None and not loaded):  # bf16 on CUDA or native-bf16 CPUs, else fp32
-            dtype = auto_dtype(device or (next(target.parameters()).device if loaded else "cpu"), is_gguf(target))
+            dtype = auto_dtype(device or (next(target.parameters()).device if loaded else "cpu"))
         elif dtype == "auto":  # the checkpoint's (transformers' meaning); a loaded model keeps its own
             dtype = None
         dtype = parse_dtype(dtype)
         model, tokenizer = load_causal_lm(target, dtype, tokenizer, what="target")
         model = place_module(model, device, dtype).eval()
         ref = next(model.parameters())
-        fastest = auto_dtype(ref.device, is_gguf(target))
+        fastest = auto_dtype(ref.device)
         if dtype is None and not loaded and ref.dtype != fastest:  # the meaning that changed
             warnings.warn(f"dtype='auto' keeps the checkpoint's {dtype_name(ref.dtype)} (as in transformers); the "
                           f"hardware's fastest ({dtype_name(fastest)} here), which 'auto' meant "

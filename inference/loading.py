@@ -37,17 +37,12 @@ def resolve_source(source: str | Path, what: str) -> str:
     return text
 
 
-def is_gguf(source: Any) -> bool:
-    """Whether `source` names a GGUF file."""
-    return isinstance(source, (str, Path)) and str(source).endswith(".gguf")
-
-
 def load_causal_lm(source: str | Path | nn.Module, dtype: torch.dtype | None = None,
                    tokenizer: Any = None, what: str = "model") -> tuple[nn.Module, Any]:
     """A causal LM (folder, Hub id or GGUF file, or an already loaded model) and its tokenizer (the given one, else
-    the folder's or file's if it has one). dtype None keeps the checkpoint's. A GGUF file loads dequantized and, in
-    float32 on a CPU with AVX2, keeps its Q8_0 / Q6_K / Q5_0 / Q4_0 / Q4_1 / Q4_K blocks for the decoding steps
-    (cpu/gguf_weights.py: the same logits, a fraction of the bytes)."""
+    the folder's or file's if it has one). dtype None keeps the checkpoint's. A GGUF file loads dequantized and, on a
+    CPU with AVX2 (float32) or AVX512-BF16 (bf16), keeps its Q8_0 / Q6_K / Q5_0 / Q4_0 / Q4_1 / Q4_K blocks for the
+    decoding steps (cpu/gguf_weights.py: the exactly dequantized weights, a fraction of the bytes)."""
     if not isinstance(source, (str, Path)):
         return source, tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer

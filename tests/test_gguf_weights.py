@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from inference import SpeculativeGenerator
-from inference.cpu.kernels import avx2_kernels_available
+from inference.cpu.kernels import avx2_kernels_available, kernels_available
 from tiny import tiny_head, tiny_model
 
 gguf = pytest.importorskip("gguf")
@@ -20,6 +20,7 @@ Q8_0, Q6_K, Q5_0, Q4_0, Q4_1, Q4_K = (getattr(gguf.GGMLQuantizationType, t)
                                       for t in ("Q8_0", "Q6_K", "Q5_0", "Q4_0", "Q4_1", "Q4_K"))
 K_QUANTS = (Q4_K, Q6_K)  # 256-weight super-blocks, which gguf's numpy code does not quantize
 needs_avx2 = pytest.mark.skipif(not avx2_kernels_available(), reason="the AVX2 kernels need a CPU with AVX2")
+needs_bf16 = pytest.mark.skipif(not kernels_available(), reason="the bf16 kernels need a CPU with AVX512-BF16")
 
 
 def quantized_blocks(values: np.ndarray, qtype, rng: np.random.Generator) -> np.ndarray:
@@ -59,6 +60,35 @@ def test_quantized_kernel_is_the_float32_kernel_on_the_dequantized_weight(qtype)
         x = torch.randn(4, 1, k)
         got = torch.ops.drafthead_avx2.small_linear_q(x, packed, params, None, live)
         assert torch.equal(got, torch.ops.drafthead_avx2.small_linear(x, reference, None, live))
+
+
+@needs_bf16
+@pytest.mark.parametrize("qtype", [Q8_0, Q6_K, Q5_0, Q4_0, Q4_1, Q4_K], ids=lambda t: t.name)
+def test_bf16_quantized_kernel_multiplies_the_exact_dequantized_weight(qtype):
+    """bf16 activations times the blocks (gguf_linear_bf16.cpp): within float32 summation of the exact product, nearer
+    to it than bf16-rounded weights get, and each row's result independent of the rows beside it."""
+    from inference.cpu.gguf_weights import pack_gguf_tensor
+
+    rng = np.random.default_rng(0)
+    n, k = (160, 512) if qtype in K_QUANTS else (160, 576)
+    blocks = quantized_blocks(rng.standard_normal((n, k)).astype(np.float32), qtype, rng)
+    w = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).copy()).double()
+    packed, params = pack_gguf_tensor(qtype, blocks)
+    bias = torch.randn(n)
+    for rows in (1, 3, 8, 9, 16, 20):  # each path: several blocks a pass, one, and pieces converted once (> 16)
+        x = torch.randn(rows, k).bfloat16()
+        got = torch.ops.drafthead_kernels.small_linear_q(x, packed, params, bias)
+        exact = x.double() @ w.T + bias.double()
+        rounded = (x.double() @ w.bfloat16().double().T + bias.double()).bfloat16().double()
+        error, rounding = (got.double() - exact).abs(), (rounded - exact).abs()
+        assert (error <= exact.abs() / 2**8 + 1e-5 * (x.double().abs() @ w.abs().T)).all(), (qtype, rows)
+        assert error.mean() < 0.8 * rounding.mean(), (qtype, rows, error.mean(), rounding.mean())
+        for i in (0, rows - 1):
+            assert torch.equal(torch.ops.drafthead_kernels.small_linear_q(x[i:i + 1], packed, params, bias)[0],
+                               got[i]), (qtype, rows, i)
+    got = torch.ops.drafthead_kernels.small_linear_q(x.view(4, 5, k), packed, params, None, torch.tensor(2))
+    assert torch.equal(got[:2], torch.ops.drafthead_kernels.small_linear_q(x[:10], packed, params, None).view(2, 5, n))
+    assert not got[2:].any()  # entries past the live ones are zeros
 
 
 def quantize_into_gguf(model: torch.nn.Module, path) -> int:
@@ -108,15 +138,44 @@ def test_tiny_gguf_target_decodes_as_its_dequantized_model(tmp_path, arch):
         reference.close()
 
 
-def test_a_gguf_file_runs_in_float32_where_fast_would_be_bf16():
-    """Its blocks are multiplied in float32: on a CPU the default ('fast') dtype of a GGUF target is float32, that
-    of a model folder the hardware's."""
-    from drafthead.hardware import auto_dtype, resolve_dtype
-    from inference.loading import is_gguf
+@needs_bf16
+def test_tiny_gguf_target_in_bf16_speculates_exactly_as_it_decodes(tmp_path):
+    """A bf16 model of a GGUF file keeps its blocks too (its rows matched in bf16), and its trees' greedy output is
+    its plain decoding's, token for token."""
+    from inference.cpu.gguf_weights import use_gguf_weights
 
-    assert is_gguf("models/SmolLM2-135M-Instruct.Q4_1.gguf") and not is_gguf("models/SmolLM2-135M-Instruct")
-    assert resolve_dtype("fast", "cpu", gguf=True) == auto_dtype("cpu", gguf=True) == torch.float32
-    assert resolve_dtype("fast", "cpu") == auto_dtype("cpu")
+    dequantized = tiny_model("llama")
+    count = quantize_into_gguf(dequantized, tmp_path / "tiny.gguf")
+    model = copy.deepcopy(dequantized).to(torch.bfloat16)
+    assert use_gguf_weights(model, tmp_path / "tiny.gguf") == count
+    head = tiny_head(dequantized).to(torch.bfloat16)
+    plain, gen = (SpeculativeGenerator(model, copy.deepcopy(head).attach_target(model), tree=tree)
+                  for tree in ("none", "2,2,4"))
+    assert gen.runner.quantized and gen.runner.small_rows
+    g = torch.Generator().manual_seed(0)
+    for n in (5, 9, 13):
+        ids = torch.randint(3, 320, (1, n), generator=g)
+        assert torch.equal(gen.generate(ids, max_new_tokens=24).sequences,
+                           plain.generate(ids, max_new_tokens=24).sequences), n
+    gen.close()
+    plain.close()
+
+
+@pytest.mark.real
+def test_smollm2_q4_1_file_keeps_its_blocks_in_the_default_dtype(smollm2_path):
+    """A GGUF target's default ('fast') dtype is a folder's: bf16 on a CPU with native bf16, where its blocks multiply
+    bf16 activations (gguf_linear_bf16.cpp), else float32; its 210 Q4_1 linears and Q8_0 output layer keep them."""
+    from conftest import asset
+    from drafthead.hardware import auto_dtype
+
+    gen = SpeculativeGenerator.from_pretrained(asset("models/SmolLM2-135M-Instruct.Q4_1.gguf"), None, tree="none",
+                                               compile=False)
+    assert next(gen.target.parameters()).dtype == auto_dtype("cpu")
+    kernels = kernels_available() if auto_dtype("cpu") == torch.bfloat16 else avx2_kernels_available()
+    assert sum(getattr(m, "qpacked", None) is not None for m in gen.target.modules()) == (211 if kernels else 0)
+    ids = gen.tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
+    assert gen.tokenizer.decode(gen.generate(ids, max_new_tokens=8).sequences[0, ids.shape[1]:]).strip()
+    gen.close()
 
 
 @needs_avx2

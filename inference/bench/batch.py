@@ -31,7 +31,7 @@ from ..drafter import PlainDrafter
 from ..drafters.eagle import HeadDrafter
 from ..drafters.lookup import LookupBranch
 from ..drafters.self_draft import StreamingSelfDrafter
-from ..loading import is_gguf, load_causal_lm
+from ..loading import load_causal_lm
 from ..runners.compile import compile_setting
 from ..runners.static import StaticRunner
 from ..sampling import SamplingParams
@@ -190,7 +190,7 @@ def load_target(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, torch.d
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device, is_gguf(args.target))
+    dtype = resolve_dtype(args.dtype, device)
     model, tokenizer = load_causal_lm(args.target, dtype, what="target")
     args.compile = compile_setting(args.compile, device)
     return place_module(model, device, dtype).eval(), tokenizer, device, dtype

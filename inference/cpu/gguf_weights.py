@@ -3,7 +3,9 @@
 transformers loads a GGUF file as a float32 model of dequantized weights. `use_gguf_weights(model, path)` gives each
 linear whose weight a tensor of the file in one of these formats dequantizes to exactly (rows matched: llama.cpp's q/k
 order is found) a repacked copy of its blocks; small_gemm_avx2.cpp's small_linear_q multiplies with them bit-identically
-to the float32 kernel, streaming a quarter or less of the bytes. Prefill (many rows) keeps the float32 weights.
+to the float32 kernel, streaming a quarter or less of the bytes. A bf16 model's linears (rounded weights) get the same
+blocks, which gguf_linear_bf16.cpp multiplies by bf16 activations as the exact dequantized weights. Prefill (many
+rows) keeps the model's own weights.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .kernels import FLOAT_BLOCK, avx2_kernels_available
+from .kernels import FLOAT_BLOCK, avx2_kernels_available, kernels_available
+from .small_gemm import sibling_groups
 
 GROUP = 32  # weights per scale (and minimum) in every format packed here but Q6_K (16, within 256-weight blocks)
 
@@ -122,9 +125,11 @@ def pack_gguf_tensor(qtype, blocks: np.ndarray) -> tuple[torch.Tensor, torch.Ten
 
 
 def eligible(module: nn.Module) -> bool:
-    """A float32 CPU linear small_linear_q can take: out_features a multiple of 16, in_features of 32."""
+    """A CPU linear a small_linear_q takes: float32 with AVX2 or bf16 with AVX512-BF16 (gguf_linear_bf16.cpp),
+    out_features a multiple of 16, in_features of 32."""
     weight = getattr(module, "weight", None)
-    return (isinstance(module, nn.Linear) and weight.dtype == torch.float32 and weight.device.type == "cpu"
+    kernel = {torch.float32: avx2_kernels_available, torch.bfloat16: kernels_available}.get(getattr(weight, "dtype", 0))
+    return (isinstance(module, nn.Linear) and weight.device.type == "cpu" and kernel is not None and kernel()
             and module.out_features % FLOAT_BLOCK == 0 and module.in_features % GROUP == 0)
 
 
@@ -132,13 +137,14 @@ def eligible(module: nn.Module) -> bool:
 @torch.no_grad()
 def use_gguf_weights(model: nn.Module, path: str | Path) -> int:
     """Attach to each eligible linear of `model` (loaded from the GGUF file at `path`) the repacked blocks its weight
-    is the exact dequantization of, as buffers `qpacked` and `qparams`. Returns how many have them (0 without AVX2)."""
+    is the exact dequantization of (in a bf16 model: rounded to bf16), as buffers `qpacked` and `qparams`. Returns
+    how many have them (0 where no kernel takes the model's dtype)."""
     import gguf
 
     from drafthead.export_gguf import read_gguf
 
     linears = [m for m in model.modules() if eligible(m)]
-    if not linears or not avx2_kernels_available():
+    if not linears:
         return 0
     wanted: dict[tuple, list[nn.Linear]] = {}
     for module in linears:
@@ -149,19 +155,36 @@ def use_gguf_weights(model: nn.Module, path: str | Path) -> int:
         if qtype not in _packers() or not candidates:
             continue
         blocks = np.frombuffer(raw, dtype=np.uint8).reshape(shape[1], -1)  # (N, K / block · bytes per block)
-        values = gguf.quants.dequantize(blocks, qtype)  # (N, K) float32, as transformers loaded it
-        where = {row.tobytes(): i for i, row in reversed(list(enumerate(values)))}  # reversed: the first index wins
+        values = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))  # (N, K) float32, as transformers loaded it
+        # each row's bytes in the model's dtype -> its index (reversed: the first one wins)
+        where = {row: i for i, row in reversed(list(enumerate(_row_bytes(values.to(candidates[0].weight.dtype)))))}
         for module in list(candidates):
-            if module.weight[0].numpy().tobytes() not in where:  # another tensor of this shape (most are)
+            own = _row_bytes(module.weight.detach())
+            if own[0] not in where:  # another tensor of this shape (most are)
                 continue
-            rows = [where.get(row.tobytes()) for row in module.weight.numpy()]
+            rows = [where.get(row) for row in own]
             if any(r is None for r in rows):  # not this tensor's weights (or not an exact dequantization)
                 continue
             packed, params = pack_gguf_tensor(qtype, blocks[rows])  # row i: row rows[i] of the file
             module.register_buffer("qpacked", packed, persistent=False)
-            module.register_buffer("qparams", params, persistent=False)
+            # float scales held as their int32 bits: a later model.to(bfloat16) must not round them
+            module.register_buffer("qparams", params.view(torch.int32), persistent=False)
             candidates.remove(module)  # matched: later tensors of this shape are not dequantized for it
+    for group in sibling_groups(model, [m for m in linears if getattr(m, "qpacked", None) is not None]):
+        layouts: dict[tuple, list[nn.Linear]] = {}  # siblings of one format back to back: one call (FuseSiblingLinears)
+        for m in group:
+            layouts.setdefault((m.qpacked.dtype, m.qpacked.shape[1:], m.qparams.shape[1:]), []).append(m)
+        for same in layouts.values():
+            for name in ("qpacked", "qparams"):
+                whole = torch.cat([getattr(m, name) for m in same])
+                for m, part in zip(same, whole.split([getattr(m, name).shape[0] for m in same])):
+                    m.register_buffer(name, part, persistent=False)
     return len(linears) - sum(map(len, wanted.values()))  # the linears matched (each left `wanted` once)
+
+
+def _row_bytes(weight: torch.Tensor) -> list[bytes]:  # (numpy has no bf16: its bits as int16)
+    bits = weight.contiguous().view(torch.int16 if weight.dtype == torch.bfloat16 else weight.dtype)
+    return [row.tobytes() for row in bits.numpy()]
 
 
 def has_gguf_weights(model: nn.Module) -> bool:

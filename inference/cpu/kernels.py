@@ -1,5 +1,5 @@
 """Builds and loads this project's CPU kernels: the AVX512-BF16 library `drafthead_kernels` (small_gemm.cpp,
-prefix_attention.cpp: bf16) and the AVX2 library `drafthead_avx2` (small_gemm_avx2.cpp, prefix_attention_avx2.cpp:
+prefix_attention.cpp, gguf_linear_bf16.cpp: bf16) and the AVX2 library `drafthead_avx2` (small_gemm_avx2.cpp, prefix_attention_avx2.cpp:
 float32). Each is compiled on first use (cached in torch's extension folder, one folder per digest of its sources,
 headers and flags) only where the CPU has its instructions, under an OS file lock: a process that waits longer than
 DRAFTHEAD_KERNEL_BUILD_TIMEOUT seconds (default 600) for another's build goes on without the kernels, saying so.
@@ -21,7 +21,7 @@ import torch
 from drafthead.hardware import cpu_flags
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "small_gemm.cpp", HERE / "prefix_attention.cpp"]
+SOURCES = [HERE / "small_gemm.cpp", HERE / "prefix_attention.cpp", HERE / "gguf_linear_bf16.cpp"]
 BLOCK = 32  # output columns per packed weight block (small_gemm.cpp)
 AVX2_SOURCES = [HERE / "small_gemm_avx2.cpp", HERE / "prefix_attention_avx2.cpp"]
 FLOAT_BLOCK = 16  # output columns per packed float32 weight block (small_gemm_avx2.cpp)
@@ -101,11 +101,12 @@ def _load(name: str, paths: list[Path], flags: list[str], what: str, namespace: 
     if not _build(name, paths, flags, what):
         return False
 
-    def linear(x, packed, *args, **kwargs):  # small_linear(_int8, _q): `block` output columns a packed weight row
-        return x.new_empty(*x.shape[:-1], packed.shape[0] * block)
+    def linear(x, packed, *args, columns: int, **kwargs):  # `columns` outputs a packed weight row
+        return x.new_empty(*x.shape[:-1], packed.shape[0] * columns)
 
-    for op in ("small_linear", "small_linear_int8") + (("small_linear_q",) if namespace == "drafthead_avx2" else ()):
-        torch.library.register_fake(f"{namespace}::{op}", linear)
+    # (a GGUF target's blocks are 16 columns wide in both libraries: gguf_weights.py)
+    for op, columns in (("small_linear", block), ("small_linear_int8", block), ("small_linear_q", FLOAT_BLOCK)):
+        torch.library.register_fake(f"{namespace}::{op}", functools.partial(linear, columns=columns))
 
     @torch.library.register_fake(f"{namespace}::prefix_attention")
     def _(query, key, value, mask, scaling, length, rows):

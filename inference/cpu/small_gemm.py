@@ -93,8 +93,9 @@ class SmallRowLinear(nn.Linear):
         if _int8_active and self.int8_weight is not None:
             return int8_linear(x, self.int8_weight, self.int8_columns, self.bias)
         if _row_limit and x.numel() <= _row_limit * x.shape[-1]:
-            if self.qpacked is not None and x.dtype == torch.float32:  # = the float32 kernel on the dequantized W
-                return torch.ops.drafthead_avx2.small_linear_q(x, self.qpacked, self.qparams, self.bias, _live)
+            if self.qpacked is not None and x.dtype == self.weight.dtype:  # the exactly dequantized W (gguf_weights)
+                kernels = torch.ops.drafthead_kernels if x.dtype == torch.bfloat16 else torch.ops.drafthead_avx2
+                return kernels.small_linear_q(x, self.qpacked, self.qparams, self.bias, _live)
             packed = self.packed
             if packed is not None and x.dtype == packed.dtype:
                 if x.dtype == torch.bfloat16:
@@ -173,7 +174,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, columns: torch.Tensor,
     return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
-def _sibling_groups(model: nn.Module, linears: list[nn.Linear]) -> list[list[nn.Linear]]:
+def sibling_groups(model: nn.Module, linears: list[nn.Linear]) -> list[list[nn.Linear]]:
     """`linears` grouped by (parent module, input width), in module order: the siblings that may share an input
     (q/k/v, gate/up). The model itself may be the linear: a group of its own."""
     groups: dict[tuple[int, int], list[nn.Linear]] = {}
@@ -191,7 +192,7 @@ def use_int8_weights(model: nn.Module) -> int:
     siblings back to back in one buffer (FuseSiblingLinears); parameters and state dict unchanged. Returns the count."""
     linears = [m for m in model.modules()
                if isinstance(m, nn.Linear) and not m.out_features % BLOCK and not m.in_features % 16]
-    for group in _sibling_groups(model, [m for m in linears if getattr(m, "int8_weight", None) is None]):
+    for group in sibling_groups(model, [m for m in linears if getattr(m, "int8_weight", None) is None]):
         weights, columns = zip(*(quantize_weight_int8(m.weight) for m in group))
         w = group[0].weight
         kernel = w.dtype == torch.bfloat16 and w.device.type == "cpu" and kernels_available()
@@ -224,11 +225,11 @@ def use_small_row_kernel(model: nn.Module, float32: bool = False) -> int:
             # a deepcopy of a converted linear holds the original's copies, perhaps of another dtype: convert anew
             _unconvert(module, nn.Linear)
     linears = [m for m in model.modules() if isinstance(m, SmallRowLinear) or eligible(m, float32)]
-    for group in _sibling_groups(model, [m for m in linears if getattr(m, "packed", None) is None]):
+    for group in sibling_groups(model, [m for m in linears if getattr(m, "packed", None) is None]):
         bf16 = group[0].weight.dtype == torch.bfloat16  # the op library packing its weights, its columns a block
         kernels, block = (torch.ops.drafthead_kernels, BLOCK) if bf16 else (torch.ops.drafthead_avx2, FLOAT_BLOCK)
-        # a float32 linear holding a GGUF target's blocks multiplies with them (gguf_weights.py): no packed copy
-        dense = [m for m in group if getattr(m, "qpacked", None) is None or m.weight.dtype != torch.float32]
+        # a linear holding a GGUF target's blocks multiplies with them (gguf_weights.py): no packed copy
+        dense = [m for m in group if getattr(m, "qpacked", None) is None]
         packed = torch.cat([kernels.pack_weight(m.weight.detach()) for m in dense]) if dense else None
         views = dict(zip(map(id, dense), packed.split([m.out_features // block for m in dense]))) if dense else {}
         for module in group:
@@ -265,16 +266,18 @@ def _unconvert(module: nn.Module, own_class: type) -> None:
             module._buffers[name] = None
 
 
+def _follows(x: torch.Tensor, y: torch.Tensor) -> bool:  # y starts where x ends, both contiguous
+    return x.is_contiguous() and y.is_contiguous() and x.storage_offset() + x.numel() == y.storage_offset()
+
+
 def _continues(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     """True when call b's operands continue call a's, each pair in one storage: packed weight b[0] starts where a[0]
-    ends, and int8 columns (2, N) b[1], if any, continue a[1] along dim 1 (use_int8_weights' slices)."""
-    if any(x.untyped_storage()._cdata != y.untyped_storage()._cdata for x, y in zip(a, b)):
+    ends, and b[1], if any, continues a[1]: int8 columns (2, N) along dim 1 (use_int8_weights' slices), a GGUF
+    target's params (int32 bits) along dim 0 (gguf_weights.py)."""
+    if any(x.untyped_storage()._cdata != y.untyped_storage()._cdata for x, y in zip(a, b)) or not _follows(a[0], b[0]):
         return False
-    if not (a[0].is_contiguous() and b[0].is_contiguous()
-            and a[0].storage_offset() + a[0].numel() == b[0].storage_offset()):
-        return False
-    return len(a) == 1 or (a[1].stride() == b[1].stride() and a[1].stride(1) == 1
-                           and a[1].storage_offset() + a[1].shape[1] == b[1].storage_offset())
+    return len(a) == 1 or (_follows(a[1], b[1]) if a[1].dtype == torch.int32 else a[1].stride() == b[1].stride()
+                           and a[1].stride(1) == 1 and a[1].storage_offset() + a[1].shape[1] == b[1].storage_offset())
 
 
 class FuseSiblingLinears(CustomGraphPass):
@@ -288,9 +291,10 @@ class FuseSiblingLinears(CustomGraphPass):
         module = graph.owning_module
         ops = {}  # op -> (its weight operands after x, output columns per packed block)
         for library, block in (("drafthead_kernels", BLOCK), ("drafthead_avx2", FLOAT_BLOCK)):
-            for name, operands in (("small_linear", 1), ("small_linear_int8", 2)):
+            for name, operands, columns in (("small_linear", 1, block), ("small_linear_int8", 2, block),
+                                            ("small_linear_q", 2, FLOAT_BLOCK)):
                 with contextlib.suppress(AttributeError):  # a library never loaded has no call to fuse
-                    ops[getattr(getattr(torch.ops, library), name).default] = (operands, block)
+                    ops[getattr(getattr(torch.ops, library), name).default] = (operands, columns)
         def weight(node):  # a weight operand's tensor: a frozen graph's constant (real), an input (fake), else None
             kind = node.op if isinstance(node, torch.fx.Node) else None
             return (attrgetter(node.target)(module) if kind == "get_attr" else
@@ -327,9 +331,10 @@ class FuseSiblingLinears(CustomGraphPass):
         first = operands[0][0]
         blocks = sum(w[0].shape[0] for w in operands)
         spans = [((blocks, *first.shape[1:]), first.stride(), first.storage_offset())]
-        if len(operands[0]) == 2:  # the int8 columns (2, N) over the same span
-            columns = operands[0][1]
-            spans.append(((2, blocks * block), columns.stride(), columns.storage_offset()))
+        if len(operands[0]) == 2:  # the int8 columns (2, N) or a GGUF target's params over the same span
+            second = operands[0][1]
+            shape = (blocks, *second.shape[1:]) if second.dtype == torch.int32 else (2, blocks * block)
+            spans.append((shape, second.stride(), second.storage_offset()))
         x = calls[0].args[0]
         earliest = min(calls, key=order.__getitem__)
         val = x.meta.get("val")

@@ -331,24 +331,15 @@ torch::Tensor small_linear_int8(const torch::Tensor& x, const torch::Tensor& pac
 // small_linear on the dequantized weight; `live` as small_linear's.
 torch::Tensor small_linear_q(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& params,
                              const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& live) {
-  const bool q8 = packed.scalar_type() == at::kChar;
-  TORCH_CHECK((q8 || packed.scalar_type() == at::kByte) && packed.dim() == 3 && packed.is_contiguous() &&
-                  packed.size(2) == kBlock && packed.size(1) * (q8 ? 1 : 2) % kGroup == 0,
-              "small_linear_q: packed must be contiguous int8 (N/16, K, 16) or uint8 (N/16, K/2, 16) with K a "
-              "multiple of 32, got ", packed.scalar_type(), " ", packed.sizes());
-  const int64_t blocks = packed.size(0), k = packed.size(1) * (q8 ? 1 : 2), n = blocks * kBlock, groups = k / kGroup;
-  const bool sixteens = q8 && params.numel() == blocks * groups * 2 * kBlock;  // a scale per 16 k (Q6_K)
-  TORCH_CHECK(params.scalar_type() == at::kFloat && params.is_contiguous() &&
-                  params.numel() == blocks * groups * kBlock * (q8 && !sixteens ? 1 : 2),
-              "small_linear_q: params must be contiguous float (N/16, K/32", q8 ? " or K/16" : ", 2", ", 16), got ",
-              params.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) == k, "small_linear_q: x must be float32 with ", k,
-              " features, got ", x.scalar_type(), " ", x.sizes());
+  const GgufOperands op = gguf_operands(x, packed, params, at::kFloat);
+  const bool q8 = op.q8, sixteens = op.sixteens;  // (plain names: lambdas below capture them)
+  const int64_t blocks = op.blocks, k = op.k, groups = op.groups;
+  const float* p = op.params;
+  const int64_t n = blocks * kBlock;
   const torch::Tensor rows = x.reshape({-1, k}).contiguous();
   const int64_t m_live = live_rows(x, rows.size(0), live);
   const torch::Tensor bias_f = float_bias(bias, n, "small_linear_q");
   torch::Tensor out = output_rows(x, rows.size(0), m_live, n);
-  const float* p = params.data_ptr<float>();
   const auto run = [&](auto block) {  // block(b): a cursor at block b's first k
     multiply<decltype(block(0))>(rows.data_ptr<float>(), m_live, k, block, blocks, nullptr, data_or_null(bias_f),
                                  out.data_ptr<float>());
