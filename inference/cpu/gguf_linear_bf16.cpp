@@ -38,20 +38,20 @@ inline __m512i q8_pair(const int8_t* q) {
   return _mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_srli_epi32(k0, 16), k1);
 }
 
-// the same from 16 bytes of 4-bit q (byte c: column c's two k's), each nibble looked up in `table` (bf16 of 0..15)
+// the same from 16 bytes of 4-bit q (byte c: column c's two k's): each word of lane c gets one of byte c's nibbles
+// in its low 4 bits, then `table` (word i: bf16 of i mod 16) gives its value (vpermw reads 5 bits a word)
 inline __m512i q4_pair(const uint8_t* q, __m512i table) {
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
-  const __m512i nibbles = _mm512_and_si512(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), _mm512_set1_epi32(0x000F000F));
-  return _mm512_permutexvar_epi16(nibbles, table);
+  return _mm512_permutexvar_epi16(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), table);  // high word: byte c >> 4
 }
 
-__m512i bf16_small_integers() {  // words 0..15: bf16 of 0..15 (16..31 unused)
+__m512i bf16_small_integers() {  // words i = 0..31: bf16 of i mod 16
   alignas(64) uint16_t words[32] = {};
-  for (int v = 0; v < 16; ++v) {
-    const float f = static_cast<float>(v);
+  for (int i = 0; i < 32; ++i) {
+    const float f = static_cast<float>(i % 16);
     uint32_t bits;
     std::memcpy(&bits, &f, sizeof bits);
-    words[v] = static_cast<uint16_t>(bits >> 16);
+    words[i] = static_cast<uint16_t>(bits >> 16);
   }
   return _mm512_load_si512(words);
 }

@@ -171,13 +171,10 @@ def use_gguf_weights(model: nn.Module, path: str | Path) -> int:
             module.register_buffer("qparams", params.view(torch.int32), persistent=False)
             candidates.remove(module)  # matched: later tensors of this shape are not dequantized for it
     for group in sibling_groups(model, [m for m in linears if getattr(m, "qpacked", None) is not None]):
-        layouts: dict[tuple, list[nn.Linear]] = {}  # siblings of one format back to back: one call (FuseSiblingLinears)
-        for m in group:
-            layouts.setdefault((m.qpacked.dtype, m.qpacked.shape[1:], m.qparams.shape[1:]), []).append(m)
-        for same in layouts.values():
-            for name in ("qpacked", "qparams"):
-                whole = torch.cat([getattr(m, name) for m in same])
-                for m, part in zip(same, whole.split([getattr(m, name).shape[0] for m in same])):
+        if len({(m.qpacked.dtype, m.qpacked.shape[1:], m.qparams.shape[1:]) for m in group}) == 1:  # one format:
+            for name in ("qpacked", "qparams"):  # back to back, one call for them all (FuseSiblingLinears)
+                whole = torch.cat([getattr(m, name) for m in group])
+                for m, part in zip(group, whole.split([getattr(m, name).shape[0] for m in group])):
                     m.register_buffer(name, part, persistent=False)
     return len(linears) - sum(map(len, wanted.values()))  # the linears matched (each left `wanted` once)
 
