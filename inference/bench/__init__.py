@@ -55,14 +55,11 @@ def load_prompts(spec: str, limit: int | None, category: str | None = None) -> l
     for n, row in iter_jsonl(path):
         if category is not None and row.get("category") != category:
             continue
-        if "turns" in row:
-            prompts.append(row["turns"][0])
-        elif "prompt" in row:
-            prompts.append(row["prompt"])
-        elif "messages" in row:
-            prompts.append(next(m["content"] for m in row["messages"] if m["role"] == "user"))
-        else:
+        turn = (row["turns"][0] if "turns" in row else row.get("prompt") or
+                next((m["content"] for m in row.get("messages", []) if m["role"] == "user"), None))
+        if turn is None:
             raise SystemExit(f"{path}:{n}: expected a 'turns', 'prompt' or 'messages' field")
+        prompts.append(turn)
     return prompts[:limit] if limit else prompts
 
 
