@@ -158,6 +158,12 @@ void multiply(const uint16_t* x, int64_t m_total, int64_t k, int64_t blocks, Mak
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + r) * n + col), (__m256i)_mm512_cvtneps_pbh(v));
       }
   };
+  const auto gather = [&](int64_t blk, int count, Pairs* src, const float** d) {  // blocks blk.. and their scales
+    for (int j = 0; j < count; ++j) {
+      src[j] = pairs(blk + j);
+      d[j] = params + (blk + j) * per_block;
+    }
+  };
   at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
     if (m_total <= kMaxRows) {  // every row at once, straight from the packed blocks, several blocks a pass
       const int rows = static_cast<int>(m_total), wide = blocks_a_pass(rows);
@@ -166,10 +172,7 @@ void multiply(const uint16_t* x, int64_t m_total, int64_t k, int64_t blocks, Mak
         const int count = blk + wide <= last ? wide : 1;
         Pairs src[kMaxBlocks];
         const float* d[kMaxBlocks];
-        for (int j = 0; j < count; ++j) {
-          src[j] = pairs(blk + j);
-          d[j] = params + (blk + j) * per_block;
-        }
+        gather(blk, count, src, d);
         kBlockDot<Pairs>[rows][count == wide ? 0 : 1](x, k, src, d, scales, 0, all_pairs, xsum, groups, total,
                                                       count * kCols, true);
         finish(total, count * kCols, rows, 0, blk, count);
@@ -185,10 +188,7 @@ void multiply(const uint16_t* x, int64_t m_total, int64_t k, int64_t blocks, Mak
       const int count = blk + kPieceBlocks <= last ? kPieceBlocks : 1;
       Pairs src[kPieceBlocks];
       const float* d[kPieceBlocks];
-      for (int j = 0; j < count; ++j) {
-        src[j] = pairs(blk + j);
-        d[j] = params + (blk + j) * per_block;
-      }
+      gather(blk, count, src, d);
       for (int64_t p0 = 0; p0 < all_pairs; p0 += kChunkPairs) {
         const int64_t p1 = std::min(all_pairs, p0 + kChunkPairs);
         Converted pieces[kPieceBlocks];
@@ -222,39 +222,36 @@ void multiply(const uint16_t* x, int64_t m_total, int64_t k, int64_t blocks, Mak
 // small_linear's (small_linear.h)
 torch::Tensor small_linear_q(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& params,
                              const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& live) {
-  const GgufOperands op = gguf_operands(x, packed, params, at::kBFloat16);
-  const bool q8 = op.q8, sixteens = op.sixteens;  // (plain names: lambdas below capture them)
-  const int64_t blocks = op.blocks, k = op.k, groups = op.groups;
-  const float* p = op.params;
-  const int64_t n = blocks * kCols;
-  const torch::Tensor rows = x.reshape({-1, k}).contiguous();
-  const int64_t m_live = live_rows(x, rows.size(0), live);
-  const torch::Tensor bias_f = float_bias(bias, n, "small_linear_q");
-  torch::Tensor out = output_rows(x, rows.size(0), m_live, n);
-  const uint16_t* a = reinterpret_cast<const uint16_t*>(rows.data_ptr());
-  uint16_t* y = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const GgufCall call = gguf_call(x, packed, params, bias, live, at::kBFloat16);
+  const bool q8 = call.op.q8, sixteens = call.op.sixteens;  // (plain names: lambdas below capture them)
+  const int64_t blocks = call.op.blocks, k = call.op.k, groups = call.op.groups, n = blocks * kCols;
+  const int64_t m_live = call.m_live;
+  const float* p = call.op.params;
+  const uint16_t* a = reinterpret_cast<const uint16_t*>(call.rows.data_ptr());
+  uint16_t* y = reinterpret_cast<uint16_t*>(call.out.data_ptr());
   if (q8) {
     const int8_t* q = packed.data_ptr<int8_t>();
     const Scales scales{kCols, sixteens ? 8 : kGroup / 2, false};
     multiply<Q8Pairs>(a, m_live, k, blocks, [=](int64_t b) { return Q8Pairs{q + b * k * kCols}; }, p,
-                      params.numel() / blocks, scales, nullptr, data_or_null(bias_f), y);
+                      params.numel() / blocks, scales, nullptr, data_or_null(call.bias), y);
   } else {
     // each row's Σ x per group of 32 k, which the minimums multiply (summed alike for every row)
     std::vector<float> xsum(static_cast<size_t>(m_live * groups));
     for (int64_t m = 0; m < m_live; ++m)
       for (int64_t g = 0; g < groups; ++g) {
         const uint16_t* s = a + m * k + g * kGroup;
-        const auto widen = [](const uint16_t* h) {
-          return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)h)), 16));
+        const auto widen = [](const uint16_t* h) {  // 16 bf16 -> float
+          const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)h));
+          return _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
         };
         xsum[m * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(widen(s), widen(s + 16)));
       }
     const uint8_t* q = packed.data_ptr<uint8_t>();
     const __m512i table = bf16_small_integers();
     multiply<Q4Pairs>(a, m_live, k, blocks, [=](int64_t b) { return Q4Pairs{q + b * k / 2 * kCols, table}; }, p,
-                      groups * 2 * kCols, Scales{2 * kCols, kGroup / 2, true}, xsum.data(), data_or_null(bias_f), y);
+                      groups * 2 * kCols, Scales{2 * kCols, kGroup / 2, true}, xsum.data(), data_or_null(call.bias), y);
   }
-  return out.view(out_shape(x, n));
+  return call.out.view(out_shape(x, n));
 }
 
 TORCH_LIBRARY_FRAGMENT(drafthead_kernels, m) {

@@ -1,6 +1,6 @@
 """A GGUF target's own quantized weights (Q8_0, Q6_K, Q5_0, Q4_0, Q4_1, Q4_K) in decoding steps, lossless.
 
-transformers loads a GGUF file as a float32 model of dequantized weights. `use_gguf_weights(model, path)` gives each
+transformers loads a GGUF file as a model of dequantized weights. `use_gguf_weights(model, path)` gives each
 linear whose weight a tensor of the file in one of these formats dequantizes to exactly (rows matched: llama.cpp's q/k
 order is found) a repacked copy of its blocks; small_gemm_avx2.cpp's small_linear_q multiplies with them bit-identically
 to the float32 kernel, streaming a quarter or less of the bytes. A bf16 model's linears (rounded weights) get the same
@@ -128,7 +128,8 @@ def eligible(module: nn.Module) -> bool:
     """A CPU linear a small_linear_q takes: float32 with AVX2 or bf16 with AVX512-BF16 (gguf_linear_bf16.cpp),
     out_features a multiple of 16, in_features of 32."""
     weight = getattr(module, "weight", None)
-    kernel = {torch.float32: avx2_kernels_available, torch.bfloat16: kernels_available}.get(getattr(weight, "dtype", 0))
+    dtype = getattr(weight, "dtype", None)
+    kernel = avx2_kernels_available if dtype == torch.float32 else kernels_available if dtype == torch.bfloat16 else None
     return (isinstance(module, nn.Linear) and weight.device.type == "cpu" and kernel is not None and kernel()
             and module.out_features % FLOAT_BLOCK == 0 and module.in_features % GROUP == 0)
 

@@ -1,8 +1,9 @@
 """Builds and loads this project's CPU kernels: the AVX512-BF16 library `drafthead_kernels` (small_gemm.cpp,
-prefix_attention.cpp, gguf_linear_bf16.cpp: bf16) and the AVX2 library `drafthead_avx2` (small_gemm_avx2.cpp, prefix_attention_avx2.cpp:
-float32). Each is compiled on first use (cached in torch's extension folder, one folder per digest of its sources,
-headers and flags) only where the CPU has its instructions, under an OS file lock: a process that waits longer than
-DRAFTHEAD_KERNEL_BUILD_TIMEOUT seconds (default 600) for another's build goes on without the kernels, saying so.
+prefix_attention.cpp, gguf_linear_bf16.cpp: bf16) and the AVX2 library `drafthead_avx2` (small_gemm_avx2.cpp,
+prefix_attention_avx2.cpp: float32). Each is compiled on first use (cached in torch's extension folder, one folder
+per digest of its sources, headers and flags) only where the CPU has its instructions, under an OS file lock: a
+process that waits longer than DRAFTHEAD_KERNEL_BUILD_TIMEOUT seconds (default 600) for another's build goes on
+without the kernels, saying so.
 """
 
 from __future__ import annotations

@@ -331,18 +331,13 @@ torch::Tensor small_linear_int8(const torch::Tensor& x, const torch::Tensor& pac
 // small_linear on the dequantized weight; `live` as small_linear's.
 torch::Tensor small_linear_q(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& params,
                              const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& live) {
-  const GgufOperands op = gguf_operands(x, packed, params, at::kFloat);
-  const bool q8 = op.q8, sixteens = op.sixteens;  // (plain names: lambdas below capture them)
-  const int64_t blocks = op.blocks, k = op.k, groups = op.groups;
-  const float* p = op.params;
-  const int64_t n = blocks * kBlock;
-  const torch::Tensor rows = x.reshape({-1, k}).contiguous();
-  const int64_t m_live = live_rows(x, rows.size(0), live);
-  const torch::Tensor bias_f = float_bias(bias, n, "small_linear_q");
-  torch::Tensor out = output_rows(x, rows.size(0), m_live, n);
+  const GgufCall call = gguf_call(x, packed, params, bias, live, at::kFloat);
+  const bool q8 = call.op.q8, sixteens = call.op.sixteens;  // (plain names: lambdas below capture them)
+  const int64_t blocks = call.op.blocks, k = call.op.k, groups = call.op.groups, n = blocks * kBlock;
+  const float* p = call.op.params;
   const auto run = [&](auto block) {  // block(b): a cursor at block b's first k
-    multiply<decltype(block(0))>(rows.data_ptr<float>(), m_live, k, block, blocks, nullptr, data_or_null(bias_f),
-                                 out.data_ptr<float>());
+    multiply<decltype(block(0))>(call.rows.data_ptr<float>(), call.m_live, k, block, blocks, nullptr,
+                                 data_or_null(call.bias), call.out.data_ptr<float>());
   };
   if (!q8) {
     const uint8_t* q = packed.data_ptr<uint8_t>();
@@ -354,7 +349,7 @@ torch::Tensor small_linear_q(const torch::Tensor& x, const torch::Tensor& packed
     const int8_t* q = packed.data_ptr<int8_t>();
     run([=](int64_t b) { return Q8<kGroup>{q + b * k * kBlock, p + b * groups * kBlock}; });
   }
-  return out.view(out_shape(x, n));
+  return call.out.view(out_shape(x, n));
 }
 
 DRAFTHEAD_SMALL_LINEAR_OPS(drafthead_avx2)

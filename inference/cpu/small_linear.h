@@ -73,6 +73,23 @@ inline GgufOperands gguf_operands(const torch::Tensor& x, const torch::Tensor& p
   return {q8, sixteens, blocks, k, groups, reinterpret_cast<const float*>(params.data_ptr())};
 }
 
+// One small_linear_q call's operands checked, x's rows (M, K) contiguous, the float bias (or none) and the output
+// (M, N) in x's dtype, of which the kernel computes the first m_live rows
+struct GgufCall {
+  GgufOperands op;
+  torch::Tensor rows, bias, out;
+  int64_t m_live;
+};
+
+inline GgufCall gguf_call(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& params,
+                          const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& live,
+                          at::ScalarType x_type) {
+  const GgufOperands op = gguf_operands(x, packed, params, x_type);
+  const torch::Tensor rows = x.reshape({-1, op.k}).contiguous();
+  const int64_t m_live = live_rows(x, rows.size(0), live), n = op.blocks * 16;
+  return {op, rows, float_bias(bias, n, "small_linear_q"), output_rows(x, rows.size(0), m_live, n), m_live};
+}
+
 // The ops' schemas, the same for both kernel libraries; each defines pack_weight, small_linear and small_linear_int8.
 #define DRAFTHEAD_SMALL_LINEAR_OPS(library)                                                                         \
   TORCH_LIBRARY(library, m) {                                                                                       \
