@@ -24,4 +24,4 @@ assert {p.name for p in Path(k.__file__).parent.glob("*.h")} >= {"small_linear.h
 print("AVX512-BF16 kernels:", k.kernels_available(), "| AVX2 kernels:", k.avx2_kernels_available())
 PY
 "$work/venv/bin/python" -m pytest -q -p no:cacheprovider "$work/src/tests/test_small_gemm_avx2.py" \
-    "$work/src/tests/test_prefix_attention.py" "$work/src/tests/test_small_gemm.py"
+    "$work/src/tests/test_prefix_attention.py" "$work/src/tests/test_small_gemm.py" "$work/src/tests/test_gguf_weights.py"
