@@ -160,10 +160,9 @@ def use_gguf_weights(model: nn.Module, path: str | Path) -> int:
         # each row's bytes in the model's dtype -> its index (reversed: the first one wins)
         where = {row: i for i, row in reversed(list(enumerate(_row_bytes(values.to(candidates[0].weight.dtype)))))}
         for module in list(candidates):
-            own = _row_bytes(module.weight.detach())
-            if own[0] not in where:  # another tensor of this shape (most are)
+            if _row_bytes(module.weight[:1].detach())[0] not in where:  # another tensor of this shape (most are)
                 continue
-            rows = [where.get(row) for row in own]
+            rows = [where.get(row) for row in _row_bytes(module.weight.detach())]
             if any(r is None for r in rows):  # not this tensor's weights (or not an exact dequantization)
                 continue
             packed, params = pack_gguf_tensor(qtype, blocks[rows])  # row i: row rows[i] of the file
