@@ -7,7 +7,7 @@
 // The weights multiplied are thus exactly the dequantized d · q (+ m), not their bf16 roundings, while a step
 // streams about 0.6 (4-bit) or 1.1 (8-bit) bytes a weight instead of bf16's 2. Each output is summed in the same
 // order whatever the number of rows, so a row's result does not depend on what else is in the batch.
-// Layouts: small_linear.h's GgufOperands (4-bit q: k = 2p in byte [p, c]'s low nibble, 2p + 1 in its high one).
+// Layouts: small_linear.h's GgufCall (4-bit q: k = 2p in byte [p, c]'s low nibble, 2p + 1 in its high one).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -17,9 +17,11 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "bf16.h"
 #include "small_linear.h"
 
 namespace {
@@ -27,7 +29,7 @@ namespace {
 constexpr int64_t kCols = 16;        // output columns per packed block: one vector of float sums
 constexpr int64_t kGroup = 32;       // k's per scale (and minimum) but Q6_K's 16
 constexpr int kMaxRows = 16;         // rows summed at once, straight from the packed blocks
-constexpr int64_t kChunkPairs = 128;  // past 8 rows, k-pairs of a block converted once to bf16 (8 KB, in L1)
+constexpr int64_t kChunkPairs = 128;  // past kMaxRows rows, k-pairs of a block converted once to bf16 (8 KB, in L1)
 
 // 16 columns x 2 k's as vdpbf16ps' operand (lane c: k = 2p in its low half, 2p + 1 in its high one), from int8 q of
 // two consecutive k's (2 x 16 bytes): an 8-bit integer's float32 has 16 zero low bits, so its high half is its bf16
@@ -56,7 +58,8 @@ __m512i bf16_small_integers() {  // words i = 0..31: bf16 of i mod 16
   return _mm512_load_si512(words);
 }
 
-// A block's k-pairs, by pair index: converted from its int8 or 4-bit q, or read back from a converted piece
+// A block's k-pairs, by pair index: converted from its int8 or 4-bit q (streamed from memory: `ahead` is what to
+// fetch meanwhile), or read back from a converted piece (in L1: nothing to fetch)
 struct Q8Pairs {
   const int8_t* q;
   __m512i pair(int64_t p) const { return q8_pair(q + p * 2 * kCols); }
@@ -72,7 +75,6 @@ struct Converted {
   const __m512i* w;
   int64_t first;  // the pair index of w[0]
   __m512i pair(int64_t p) const { return _mm512_load_si512(w + (p - first)); }
-  const void* ahead(int64_t p) const { return w + (p - first); }  // (in L1 already)
 };
 
 // What scales a block's sums: per group g, 16 scales at d + g · stride (and, with minimums, 16 minimums after them)
@@ -98,7 +100,8 @@ void block_dot(const uint16_t* x, int64_t ldx, const Pairs* src, const float* co
     for (int64_t i = p; i < p + scales.group_pairs; ++i) {
 #pragma GCC unroll 16
       for (int j = 0; j < kBlocks; ++j) {
-        if (i % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(src[j].ahead(i)), _MM_HINT_T0);
+        if constexpr (!std::is_same_v<Pairs, Converted>)
+          if (i % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(src[j].ahead(i)), _MM_HINT_T0);
         const __m512bh w = (__m512bh)src[j].pair(i);
 #pragma GCC unroll 16
         for (int r = 0; r < kRows; ++r) {
@@ -180,8 +183,8 @@ void multiply(const uint16_t* x, int64_t m_total, int64_t k, int64_t blocks, Mak
       }
       return;
     }
-    // more rows: a piece of two blocks is converted once, then every group of rows reads it from L1
-    constexpr int kPieceBlocks = 2;
+    // more rows: a piece of two blocks is converted once, then every group of 8 rows reads it from L1
+    constexpr int kPieceBlocks = blocks_a_pass(8);  // (so that a full group of rows takes kBlockDot[8][0])
     alignas(64) __m512i converted[kPieceBlocks][kChunkPairs];
     std::vector<float> totals(static_cast<size_t>(m_total * kPieceBlocks * kCols));
     for (int64_t blk = first; blk < last;) {
@@ -223,35 +226,30 @@ void multiply(const uint16_t* x, int64_t m_total, int64_t k, int64_t blocks, Mak
 torch::Tensor small_linear_q(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& params,
                              const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& live) {
   const GgufCall call = gguf_call(x, packed, params, bias, live, at::kBFloat16);
-  const bool q8 = call.op.q8, sixteens = call.op.sixteens;  // (plain names: lambdas below capture them)
-  const int64_t blocks = call.op.blocks, k = call.op.k, groups = call.op.groups, n = blocks * kCols;
-  const int64_t m_live = call.m_live;
-  const float* p = call.op.params;
+  const int64_t blocks = call.blocks, k = call.k, groups = call.groups;  // (plain names: lambdas below capture them)
   const uint16_t* a = reinterpret_cast<const uint16_t*>(call.rows.data_ptr());
   uint16_t* y = reinterpret_cast<uint16_t*>(call.out.data_ptr());
-  if (q8) {
+  const int64_t per_block = params.numel() / blocks;  // a block's scales (and minimums), floats
+  if (call.q8) {
     const int8_t* q = packed.data_ptr<int8_t>();
-    const Scales scales{kCols, sixteens ? 8 : kGroup / 2, false};
-    multiply<Q8Pairs>(a, m_live, k, blocks, [=](int64_t b) { return Q8Pairs{q + b * k * kCols}; }, p,
-                      params.numel() / blocks, scales, nullptr, data_or_null(call.bias), y);
+    multiply<Q8Pairs>(a, call.m_live, k, blocks, [=](int64_t b) { return Q8Pairs{q + b * k * kCols}; }, call.params,
+                      per_block, Scales{kCols, call.sixteens ? 8 : kGroup / 2, false}, nullptr, data_or_null(call.bias),
+                      y);
   } else {
     // each row's Σ x per group of 32 k, which the minimums multiply (summed alike for every row)
-    std::vector<float> xsum(static_cast<size_t>(m_live * groups));
-    for (int64_t m = 0; m < m_live; ++m)
+    std::vector<float> xsum(static_cast<size_t>(call.m_live * groups));
+    for (int64_t m = 0; m < call.m_live; ++m)
       for (int64_t g = 0; g < groups; ++g) {
         const uint16_t* s = a + m * k + g * kGroup;
-        const auto widen = [](const uint16_t* h) {  // 16 bf16 -> float
-          const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)h));
-          return _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
-        };
-        xsum[m * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(widen(s), widen(s + 16)));
+        xsum[m * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(bf16x16_to_float(s), bf16x16_to_float(s + 16)));
       }
     const uint8_t* q = packed.data_ptr<uint8_t>();
     const __m512i table = bf16_small_integers();
-    multiply<Q4Pairs>(a, m_live, k, blocks, [=](int64_t b) { return Q4Pairs{q + b * k / 2 * kCols, table}; }, p,
-                      groups * 2 * kCols, Scales{2 * kCols, kGroup / 2, true}, xsum.data(), data_or_null(call.bias), y);
+    multiply<Q4Pairs>(a, call.m_live, k, blocks, [=](int64_t b) { return Q4Pairs{q + b * k / 2 * kCols, table}; },
+                      call.params, per_block, Scales{2 * kCols, kGroup / 2, true}, xsum.data(),
+                      data_or_null(call.bias), y);
   }
-  return call.out.view(out_shape(x, n));
+  return call.out.view(out_shape(x, blocks * kCols));
 }
 
 TORCH_LIBRARY_FRAGMENT(drafthead_kernels, m) {

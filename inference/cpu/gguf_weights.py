@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from .kernels import FLOAT_BLOCK, avx2_kernels_available, kernels_available
-from .small_gemm import sibling_groups
+from .small_gemm import back_to_back, sibling_groups
 
 GROUP = 32  # weights per scale (and minimum) in every format packed here but Q6_K (16, within 256-weight blocks)
 
@@ -119,18 +119,19 @@ def _packers() -> dict:
 
 
 def pack_gguf_tensor(qtype, blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """small_linear_q's (packed, params) of a tensor's (N, bytes) blocks (a format of _packers())."""
+    """small_linear_q's (packed, params) of a tensor's (N, bytes) blocks (a format of _packers()); the float32 params
+    as their int32 bits, which a model's .to(bfloat16) leaves alone."""
     packed, params = _packers()[qtype](np.ascontiguousarray(blocks))
-    return torch.from_numpy(packed), torch.from_numpy(params)
+    return torch.from_numpy(packed), torch.from_numpy(params.view(np.int32))
 
 
 def eligible(module: nn.Module) -> bool:
     """A CPU linear a small_linear_q takes: float32 with AVX2 or bf16 with AVX512-BF16 (gguf_linear_bf16.cpp),
     out_features a multiple of 16, in_features of 32."""
     weight = getattr(module, "weight", None)
-    dtype = getattr(weight, "dtype", None)
-    kernel = avx2_kernels_available if dtype == torch.float32 else kernels_available if dtype == torch.bfloat16 else None
-    return (isinstance(module, nn.Linear) and weight.device.type == "cpu" and kernel is not None and kernel()
+    return (isinstance(module, nn.Linear) and weight.device.type == "cpu"
+            and (weight.dtype == torch.float32 and avx2_kernels_available()
+                 or weight.dtype == torch.bfloat16 and kernels_available())
             and module.out_features % FLOAT_BLOCK == 0 and module.in_features % GROUP == 0)
 
 
@@ -167,14 +168,12 @@ def use_gguf_weights(model: nn.Module, path: str | Path) -> int:
                 continue
             packed, params = pack_gguf_tensor(qtype, blocks[rows])  # row i: row rows[i] of the file
             module.register_buffer("qpacked", packed, persistent=False)
-            # float scales held as their int32 bits: a later model.to(bfloat16) must not round them
-            module.register_buffer("qparams", params.view(torch.int32), persistent=False)
+            module.register_buffer("qparams", params, persistent=False)
             candidates.remove(module)  # matched: later tensors of this shape are not dequantized for it
     for group in sibling_groups(model, [m for m in linears if getattr(m, "qpacked", None) is not None]):
         if len({(m.qpacked.dtype, m.qpacked.shape[1:], m.qparams.shape[1:]) for m in group}) == 1:  # one format:
-            for name in ("qpacked", "qparams"):  # back to back, one call for them all (FuseSiblingLinears)
-                whole = torch.cat([getattr(m, name) for m in group])
-                for m, part in zip(group, whole.split([getattr(m, name).shape[0] for m in group])):
+            for name in ("qpacked", "qparams"):  # one call for them all (FuseSiblingLinears)
+                for m, part in zip(group, back_to_back([getattr(m, name) for m in group])):
                     m.register_buffer(name, part, persistent=False)
     return len(linears) - sum(map(len, wanted.values()))  # the linears matched (each left `wanted` once)
 

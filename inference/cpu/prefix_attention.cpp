@@ -31,6 +31,7 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16.h"
 #include "spans.h"
 
 namespace {
@@ -42,10 +43,6 @@ constexpr int kMaxQueries = 16; // queries per call (decoding steps and trees; p
 constexpr int64_t kChunk = 512;   // keys per block: its keys and values (64 KB each at head_dim 64) stay in L2
 constexpr int64_t kSplit = 4096;  // keys per task: a long context is shared by the threads (a multiple of kChunk)
 constexpr int64_t kAhead = 1024;  // keys ahead of the scoring whose keys and values are prefetched into L2
-
-inline __m512 bf16x16_to_float(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
 
 // e^x for x <= 0 (a softmax's shifted scores): 2^k · p(r), |r| <= ln2/2, degree-5 polynomial (relative error
 // ~2.5e-6, far below the bf16 rounding of the probabilities and outputs); x below -110 (masked slots: -inf, or NaN

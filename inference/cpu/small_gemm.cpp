@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "bf16.h"
 #include "small_linear.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -33,10 +34,6 @@ namespace {
 
 constexpr int64_t kBlock = 32;   // output columns per block (two vectors of 16 floats)
 constexpr int kMaxRows = 8;      // rows accumulated at once (2 x 8 = 16 accumulator registers)
-
-inline __m512 bf16x16_to_float(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
 
 // out[0, 32) = bf16 of (lo, hi) + bias[0, 32) (bias may be null): one row of a 32-column block
 inline void store_block_row(__m512 lo, __m512 hi, const float* bias, uint16_t* out) {

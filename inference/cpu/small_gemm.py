@@ -198,11 +198,9 @@ def use_int8_weights(model: nn.Module) -> int:
         kernel = w.dtype == torch.bfloat16 and w.device.type == "cpu" and kernels_available()
         avx2 = w.dtype == torch.float32 and w.device.type == "cpu" and avx2_kernels_available()
         pack = pack_int8 if kernel else torch.ops.drafthead_avx2.pack_weight if avx2 else (lambda q: q)
-        weights = torch.cat([pack(q) for q in weights])
-        columns = torch.cat(columns, dim=1).to(w.device)  # (2, N of the group): each module's a column slice
-        per_row = BLOCK if kernel else FLOAT_BLOCK if avx2 else 1  # output columns per row of the (packed) weight
-        widths = [m.out_features for m in group]
-        for module, q, c in zip(group, weights.split([n // per_row for n in widths]), columns.split(widths, dim=1)):
+        weights = back_to_back([pack(q) for q in weights])
+        columns = back_to_back([c.to(w.device) for c in columns], dim=1)  # (2, N of the group): a column slice each
+        for module, q, c in zip(group, weights, columns):
             if not isinstance(module, SmallRowLinear):
                 _own_class.setdefault(module, nn.Linear if isinstance(module, Int8CopyLinear) else type(module))
                 module.__class__ = Int8CopyLinear
@@ -226,12 +224,12 @@ def use_small_row_kernel(model: nn.Module, float32: bool = False) -> int:
             _unconvert(module, nn.Linear)
     linears = [m for m in model.modules() if isinstance(m, SmallRowLinear) or eligible(m, float32)]
     for group in sibling_groups(model, [m for m in linears if getattr(m, "packed", None) is None]):
-        bf16 = group[0].weight.dtype == torch.bfloat16  # the op library packing its weights, its columns a block
-        kernels, block = (torch.ops.drafthead_kernels, BLOCK) if bf16 else (torch.ops.drafthead_avx2, FLOAT_BLOCK)
+        bf16 = group[0].weight.dtype == torch.bfloat16  # the op library packing its weights
+        kernels = torch.ops.drafthead_kernels if bf16 else torch.ops.drafthead_avx2
         # a linear holding a GGUF target's blocks multiplies with them (gguf_weights.py): no packed copy
         dense = [m for m in group if getattr(m, "qpacked", None) is None]
-        packed = torch.cat([kernels.pack_weight(m.weight.detach()) for m in dense]) if dense else None
-        views = dict(zip(map(id, dense), packed.split([m.out_features // block for m in dense]))) if dense else {}
+        views = dict(zip(map(id, dense), back_to_back([kernels.pack_weight(m.weight.detach()) for m in dense]))
+                     if dense else ())
         for module in group:
             _own_class.setdefault(module, nn.Linear if isinstance(module, (SmallRowLinear, Int8CopyLinear))
                                   else type(module))
@@ -266,18 +264,18 @@ def _unconvert(module: nn.Module, own_class: type) -> None:
             module._buffers[name] = None
 
 
-def _follows(x: torch.Tensor, y: torch.Tensor) -> bool:  # y starts where x ends, both contiguous
-    return x.is_contiguous() and y.is_contiguous() and x.storage_offset() + x.numel() == y.storage_offset()
+def back_to_back(tensors: list[torch.Tensor], dim: int = 0) -> tuple[torch.Tensor, ...]:
+    """The tensors copied one after another along `dim` into one buffer, as views of it: siblings' weights laid out so
+    that FuseSiblingLinears multiplies them in one call."""
+    return torch.cat(tensors, dim).split([t.shape[dim] for t in tensors], dim)
 
 
-def _continues(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    """True when call b's operands continue call a's, each pair in one storage: packed weight b[0] starts where a[0]
-    ends, and b[1], if any, continues a[1]: int8 columns (2, N) along dim 1 (use_int8_weights' slices), a GGUF
-    target's params (int32 bits) along dim 0 (gguf_weights.py)."""
-    if any(x.untyped_storage()._cdata != y.untyped_storage()._cdata for x, y in zip(a, b)) or not _follows(a[0], b[0]):
-        return False
-    return len(a) == 1 or (_follows(a[1], b[1]) if a[1].dtype == torch.int32 else a[1].stride() == b[1].stride()
-                           and a[1].stride(1) == 1 and a[1].storage_offset() + a[1].shape[1] == b[1].storage_offset())
+def _continues(a: list[torch.Tensor], b: list[torch.Tensor], dims: tuple[int, ...]) -> bool:
+    """True when each of call b's weight operands continues call a's along its dim of `dims` in one storage (as
+    back_to_back lays them out): the same strides and other sizes, b's starting where a's ends."""
+    return all(x.untyped_storage()._cdata == y.untyped_storage()._cdata and x.stride() == y.stride()
+               and x.shape[:d] + x.shape[d + 1:] == y.shape[:d] + y.shape[d + 1:]
+               and x.storage_offset() + x.shape[d] * x.stride(d) == y.storage_offset() for x, y, d in zip(a, b, dims))
 
 
 class FuseSiblingLinears(CustomGraphPass):
@@ -289,12 +287,14 @@ class FuseSiblingLinears(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         module = graph.owning_module
-        ops = {}  # op -> (its weight operands after x, output columns per packed block)
+        # op -> (the dim along which siblings' copies of each weight operand after x lie back to back, output columns
+        # per packed block): packed weights and a GGUF target's params by blocks, int8 columns (2, N) by columns
+        ops = {}
         for library, block in (("drafthead_kernels", BLOCK), ("drafthead_avx2", FLOAT_BLOCK)):
-            for name, operands, columns in (("small_linear", 1, block), ("small_linear_int8", 2, block),
-                                            ("small_linear_q", 2, FLOAT_BLOCK)):
+            for name, dims, columns in (("small_linear", (0,), block), ("small_linear_int8", (0, 1), block),
+                                        ("small_linear_q", (0, 0), FLOAT_BLOCK)):
                 with contextlib.suppress(AttributeError):  # a library never loaded has no call to fuse
-                    ops[getattr(getattr(torch.ops, library), name).default] = (operands, columns)
+                    ops[getattr(getattr(torch.ops, library), name).default] = (dims, columns)
         def weight(node):  # a weight operand's tensor: a frozen graph's constant (real), an input (fake), else None
             kind = node.op if isinstance(node, torch.fx.Node) else None
             return (attrgetter(node.target)(module) if kind == "get_attr" else
@@ -302,7 +302,7 @@ class FuseSiblingLinears(CustomGraphPass):
 
         by_input: dict[tuple, list[torch.fx.Node]] = {}
         for node in graph.nodes:
-            operands = ops[node.target][0] if node.op == "call_function" and node.target in ops else None
+            operands = len(ops[node.target][0]) if node.op == "call_function" and node.target in ops else None
             rest = node.args[1 + operands:] if operands else ()  # (bias, then small_linear's live entries)
             if (operands and not node.kwargs and len(node.args) >= 1 + operands
                     and all(isinstance(weight(a), torch.Tensor) for a in node.args[1: 1 + operands])
@@ -314,27 +314,28 @@ class FuseSiblingLinears(CustomGraphPass):
         for (op, _, _), calls in by_input.items():
             if len(calls) < 2:
                 continue
-            tensors = {n: [weight(a) for a in n.args[1: 1 + ops[op][0]]] for n in calls}
+            dims, block = ops[op]
+            tensors = {n: [weight(a) for a in n.args[1: 1 + len(dims)]] for n in calls}
             calls.sort(key=lambda n: (tensors[n][0].untyped_storage()._cdata, tensors[n][0].storage_offset()))
             run: list[torch.fx.Node] = []
             for node in calls + [None]:
-                if node is not None and (not run or _continues(tensors[run[-1]], tensors[node])):
+                if node is not None and (not run or _continues(tensors[run[-1]], tensors[node], dims)):
                     run.append(node)
                     continue
                 if len(run) >= 2:
-                    self._fuse(graph, module, op, ops[op][1], run, [tensors[n] for n in run], order)
+                    self._fuse(graph, module, op, dims, block, run, [tensors[n] for n in run], order)
                 run = [node] if node is not None else []
 
     @staticmethod
-    def _fuse(graph, module, op, block, calls, operands, order) -> None:
+    def _fuse(graph, module, op, dims, block, calls, operands, order) -> None:
         name = f"_{calls[0].name}_fused"  # (FX node names are unique in a graph)
-        first = operands[0][0]
         blocks = sum(w[0].shape[0] for w in operands)
-        spans = [((blocks, *first.shape[1:]), first.stride(), first.storage_offset())]
-        if len(operands[0]) == 2:  # the int8 columns (2, N) or a GGUF target's params over the same span
-            second = operands[0][1]
-            shape = (blocks, *second.shape[1:]) if second.dtype == torch.int32 else (2, blocks * block)
-            spans.append((shape, second.stride(), second.storage_offset()))
+        spans = []  # each weight operand over the calls' span: the first call's, its dim d as long as theirs together
+        for i, d in enumerate(dims):
+            first = operands[0][i]
+            shape = list(first.shape)
+            shape[d] = sum(w[i].shape[d] for w in operands)
+            spans.append((shape, first.stride(), first.storage_offset()))
         x = calls[0].args[0]
         earliest = min(calls, key=order.__getitem__)
         val = x.meta.get("val")

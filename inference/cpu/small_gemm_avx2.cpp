@@ -325,31 +325,29 @@ torch::Tensor small_linear_int8(const torch::Tensor& x, const torch::Tensor& pac
   return out.view(out_shape(x, n));
 }
 
-// A GGUF target's quantized weight (gguf_weights.py packs it): x (..., K) float; packed int8 (N/16, K, 16) with
-// scales (N/16, K/32 or K/16, 16) float (Q8_0, Q5_0; Q6_K), or uint8 (N/16, K/2, 16) nibbles with scales and
-// minimums (N/16, K/32, 2, 16) float (Q4_0, Q4_1, Q4_K); bias (N,) or none -> (..., N) float, bit-identical to
-// small_linear on the dequantized weight; `live` as small_linear's.
+// A GGUF target's quantized weight (gguf_weights.py packs it; layouts: small_linear.h's GgufCall): x (..., K) float,
+// packed int8 q (Q8_0, Q5_0, Q6_K) or 4-bit q (Q4_0, Q4_1, Q4_K), params, bias (N,) or none -> (..., N) float,
+// bit-identical to small_linear on the dequantized weight; `live` as small_linear's.
 torch::Tensor small_linear_q(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& params,
                              const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& live) {
   const GgufCall call = gguf_call(x, packed, params, bias, live, at::kFloat);
-  const bool q8 = call.op.q8, sixteens = call.op.sixteens;  // (plain names: lambdas below capture them)
-  const int64_t blocks = call.op.blocks, k = call.op.k, groups = call.op.groups, n = blocks * kBlock;
-  const float* p = call.op.params;
+  const int64_t blocks = call.blocks, k = call.k, groups = call.groups;  // (plain names: lambdas below capture them)
+  const float* p = call.params;
   const auto run = [&](auto block) {  // block(b): a cursor at block b's first k
     multiply<decltype(block(0))>(call.rows.data_ptr<float>(), call.m_live, k, block, blocks, nullptr,
                                  data_or_null(call.bias), call.out.data_ptr<float>());
   };
-  if (!q8) {
+  if (!call.q8) {
     const uint8_t* q = packed.data_ptr<uint8_t>();
     run([=](int64_t b) { return Q4{q + b * k / 2 * kBlock, p + b * groups * 2 * kBlock}; });
-  } else if (sixteens) {
+  } else if (call.sixteens) {
     const int8_t* q = packed.data_ptr<int8_t>();
     run([=](int64_t b) { return Q8<16>{q + b * k * kBlock, p + b * groups * 2 * kBlock}; });
   } else {
     const int8_t* q = packed.data_ptr<int8_t>();
     run([=](int64_t b) { return Q8<kGroup>{q + b * k * kBlock, p + b * groups * kBlock}; });
   }
-  return call.out.view(out_shape(x, n));
+  return call.out.view(out_shape(x, blocks * kBlock));
 }
 
 DRAFTHEAD_SMALL_LINEAR_OPS(drafthead_avx2)

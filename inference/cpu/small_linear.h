@@ -44,50 +44,39 @@ inline std::vector<int64_t> out_shape(const torch::Tensor& x, int64_t n) {
   return shape;
 }
 
-// A GGUF target's blocks as both libraries' small_linear_q take them (gguf_weights.py packs them): int8 q
-// (N/16, K, 16) with a scale per 32 (Q6_K: 16) k and column, (N/16, K/32 or K/16, 16); or 4-bit q (N/16, K/2, 16)
-// with a scale and a minimum per 32 k and column, (N/16, K/32, 2, 16). The params are float32, or their bits as int32
-// (as gguf_weights.py keeps them, out of reach of a model's .to(dtype)).
-struct GgufOperands {
-  bool q8, sixteens;  // int8 q (else 4-bit); a scale per 16 k (Q6_K)
+// One small_linear_q call (gguf_weights.py packs its blocks), checked and set up for both libraries' kernels. packed:
+// int8 q (N/16, K, 16) with a scale per 32 (Q6_K: 16) k and column, params (N/16, K/32 or K/16, 16); or 4-bit q
+// (N/16, K/2, 16) with a scale and a minimum per 32 k and column, params (N/16, K/32, 2, 16). The params are float32
+// values held as int32 bits (out of reach of a model's .to(dtype)).
+struct GgufCall {
+  bool q8, sixteens;          // int8 q (else 4-bit); a scale per 16 k (Q6_K)
   int64_t blocks, k, groups;  // 16-column blocks, K, K/32
   const float* params;
+  torch::Tensor rows, bias, out;  // x as (M, K) contiguous; the float bias or none; the output (M, N) in x's dtype
+  int64_t m_live;                 // the rows the kernel computes (small_linear.h's live_rows)
 };
 
-inline GgufOperands gguf_operands(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& params,
-                                  at::ScalarType x_type) {
+inline GgufCall gguf_call(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& params,
+                          const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& live,
+                          at::ScalarType x_type) {
   constexpr int64_t kCols = 16, kGroup = 32;
   const bool q8 = packed.scalar_type() == at::kChar;
   TORCH_CHECK((q8 || packed.scalar_type() == at::kByte) && packed.dim() == 3 && packed.is_contiguous() &&
                   packed.size(2) == kCols && packed.size(1) * (q8 ? 1 : 2) % kGroup == 0,
               "small_linear_q: packed must be contiguous int8 (N/16, K, 16) or uint8 (N/16, K/2, 16) with K a "
               "multiple of 32, got ", packed.scalar_type(), " ", packed.sizes());
-  const int64_t blocks = packed.size(0), k = packed.size(1) * (q8 ? 1 : 2), groups = k / kGroup;
+  const int64_t blocks = packed.size(0), k = packed.size(1) * (q8 ? 1 : 2), groups = k / kGroup, n = blocks * kCols;
   const bool sixteens = q8 && params.numel() == blocks * groups * 2 * kCols;
-  TORCH_CHECK((params.scalar_type() == at::kFloat || params.scalar_type() == at::kInt) && params.is_contiguous() &&
+  TORCH_CHECK(params.scalar_type() == at::kInt && params.is_contiguous() &&
                   params.numel() == blocks * groups * kCols * (q8 && !sixteens ? 1 : 2),
-              "small_linear_q: params must be contiguous float (N/16, K/32", q8 ? " or K/16" : ", 2", ", 16), got ",
-              params.sizes());
+              "small_linear_q: params must be contiguous int32 bits of floats (N/16, K/32", q8 ? " or K/16" : ", 2",
+              ", 16), got ", params.scalar_type(), " ", params.sizes());
   TORCH_CHECK(x.scalar_type() == x_type && x.size(-1) == k, "small_linear_q: x must be ", x_type, " with ", k,
               " features, got ", x.scalar_type(), " ", x.sizes());
-  return {q8, sixteens, blocks, k, groups, reinterpret_cast<const float*>(params.data_ptr())};
-}
-
-// One small_linear_q call's operands checked, x's rows (M, K) contiguous, the float bias (or none) and the output
-// (M, N) in x's dtype, of which the kernel computes the first m_live rows
-struct GgufCall {
-  GgufOperands op;
-  torch::Tensor rows, bias, out;
-  int64_t m_live;
-};
-
-inline GgufCall gguf_call(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& params,
-                          const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& live,
-                          at::ScalarType x_type) {
-  const GgufOperands op = gguf_operands(x, packed, params, x_type);
-  const torch::Tensor rows = x.reshape({-1, op.k}).contiguous();
-  const int64_t m_live = live_rows(x, rows.size(0), live), n = op.blocks * 16;
-  return {op, rows, float_bias(bias, n, "small_linear_q"), output_rows(x, rows.size(0), m_live, n), m_live};
+  const torch::Tensor rows = x.reshape({-1, k}).contiguous();
+  const int64_t m_live = live_rows(x, rows.size(0), live);
+  return {q8, sixteens, blocks, k, groups, reinterpret_cast<const float*>(params.data_ptr()), rows,
+          float_bias(bias, n, "small_linear_q"), output_rows(x, rows.size(0), m_live, n), m_live};
 }
 
 // The ops' schemas, the same for both kernel libraries; each defines pack_weight, small_linear and small_linear_int8.
